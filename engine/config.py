@@ -1,0 +1,103 @@
+"""User-facing engine configuration: immutable, validated up front, with messages that say what to
+change. Facts discovered at run time (block count, eos ids, chosen group sizes) live in runtime
+state, never here."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.precision import Precision, parse_dtype, validate_ladder
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(value: int | str) -> int:
+    """512 / '512MiB' / '1.5GiB' / '300MB' -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size; write e.g. 536870912, '512MiB' or '1.5GiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_cache_dir() -> Path:
+    """Where converted models, host stores and profiles are cached ($MORPHSERVE_CACHE to move it)."""
+    return Path(os.environ.get("MORPHSERVE_CACHE", Path.home() / ".cache" / "morphserve"))
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("default", description="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file")
+    served_model_name: str | None = Field(None, description="name in /v1/models; defaults to the model folder's name")
+    dtype: str = Field("bf16", description="full precision: bf16, fp16 or fp32")
+    device: Literal["cpu", "cuda"] = "cpu"
+    memory_budget: int | str = Field("1GiB", description="bytes the replica may hold: weights + KV + reserve")
+    reserve: int | str | None = Field(None, description="activation reserve in bytes; None = derived from max_num_batched_tokens")
+    block_size: int = Field(16, ge=1, le=256)
+    max_num_batched_tokens: int = Field(512, ge=16, description="per-step token budget (chunked prefill)")
+    max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
+    max_model_len: int | None = Field(None, ge=16, description="context length; default: the model's, capped at 8192")
+    max_waiting: int = Field(256, ge=1, description="waiting-queue bound; beyond it requests are refused (HTTP 503)")
+    morph_ladder: tuple[str, ...] = Field(("int8", "int4"), description="lower rungs a layer can be swapped to, in order")
+    int4_group_size: int = Field(128, description="INT4 group size; falls back to 64/32 where a layer's input size needs it")
+    enable_morphing: bool = True
+    profile: str | None = Field(None, description="layer-importance profile JSON; default: the prepared model's, else front-to-back")
+    cache_dir: str | None = Field(None, description="where converted models and host stores live; default $MORPHSERVE_CACHE or ~/.cache/morphserve")
+    seed: int = 0
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        parse_dtype(v)
+        return v
+
+    @field_validator("memory_budget", "reserve")
+    @classmethod
+    def _sizes(cls, v):
+        return None if v is None else parse_bytes(v)
+
+    @field_validator("morph_ladder")
+    @classmethod
+    def _ladder(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        try:
+            rungs = tuple(Precision(r) for r in v)
+        except ValueError:
+            raise ValueError(f"morph_ladder {v} names an unknown precision; use int8 and/or int4") from None
+        validate_ladder((Precision.BF16, *rungs))
+        return v
+
+    @field_validator("int4_group_size")
+    @classmethod
+    def _group(cls, v: int) -> int:
+        if v not in (32, 64, 128, 256):
+            raise ValueError(f"int4_group_size must be 32, 64, 128 or 256, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EngineConfig":
+        if self.max_model_len is not None and self.max_model_len < self.block_size:
+            raise ValueError("max_model_len must be at least block_size")
+        return self
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return int(self.memory_budget)
+
+    @property
+    def torch_dtype(self):
+        return parse_dtype(self.dtype)
+
+    @property
+    def ladder(self) -> tuple[Precision, ...]:
+        return tuple(Precision(r) for r in self.morph_ladder)
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()

@@ -1,0 +1,29 @@
+"""Error types at the engine's boundary. Callers map them to HTTP codes (deployments/) or messages."""
+
+
+class MorphServeError(Exception):
+    """Base class for errors MorphServe raises on purpose."""
+
+
+class InvalidRequestError(MorphServeError, ValueError):
+    """The request itself is wrong (-> HTTP 400). `param` names the offending field when known."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelLoadError(MorphServeError):
+    """A model path, file, profile or checkpoint cannot be used; the message says what to change."""
+
+
+class BudgetError(MorphServeError):
+    """The memory budget cannot hold what is asked; the message gives the minimum in bytes."""
+
+
+class EngineOverloadedError(MorphServeError):
+    """The waiting queue is full (-> HTTP 503 with Retry-After)."""
+
+
+class EngineDeadError(MorphServeError):
+    """The step loop stopped after an internal fault; requests in flight are failed with this."""

@@ -1,0 +1,1 @@
+"""The morph executor: host store of per-layer variants, LayerSwapper, KVResizer, profiler."""

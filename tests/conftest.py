@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny random Llama-family model on disk and the real default model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests share 2 cores with whatever else runs; keep torch from oversubscribing them.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_tiny_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random Llama / Mistral / Qwen2 model in Hugging Face format (config.json + safetensors),
+    plus a copy of the default model's tokenizer files when those are available."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    config = cls[0](**common)
+    model = cls[1](config).to(torch.float32)
+    # Random init has tiny weights; scale up so logits are not all near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once, then cached)."""
+    from engine.config import default_cache_dir
+    from engine.loader import resolve_model
+
+    return resolve_model("default", default_cache_dir()).hf_dir
