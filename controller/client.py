@@ -1,0 +1,107 @@
+"""ControllerClient: how a replica reports to the fleet controller from its serving process.
+
+Every report goes to the controller with a deadline (0.5 s by default). When the controller does not
+answer in time, is dead or restarting, or was never started, the replica decides by itself with the
+same policy over its own history (`Directive.source == "local"`), sets `reachable = False` for its
+metrics, and tries the controller again on the next report, re-resolving the actor by name. Nothing
+here raises into the serving path.
+
+The local fallback applies the mode cap but not the fleet budget (only the controller knows the
+other replicas); when the controller is back it reclaims layers above this replica's share.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from controller.directive import Directive
+from controller.fleet import DEFAULT_NAME, DEFAULT_NAMESPACE
+from controller.policy import PolicyRunner
+from controller.policy_config import FleetConfig, PolicyConfig
+from engine.morph.actions import MorphState
+from engine.pressure import PressureSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class ControllerClient:
+    def __init__(self, replica_id: str, config: PolicyConfig | None = None, *, name: str = DEFAULT_NAME,
+                 namespace: str = DEFAULT_NAMESPACE, timeout_s: float = 0.5,
+                 create_with: FleetConfig | None = None, resolve: Callable[[], Any] | None = None):
+        """`create_with`: start the controller with this config if none is running (else only look it
+        up by name). `resolve`: returns an actor handle; replaces the Ray lookup (tests)."""
+        if not replica_id:
+            raise ValueError("replica_id must be a non-empty string (e.g. the Serve replica's id)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.replica_id = replica_id
+        self.timeout_s = timeout_s
+        self._name, self._namespace, self._create_with = name, namespace, create_with
+        self._resolve = resolve or self._resolve_by_name
+        self._runner = PolicyRunner(config or (create_with.policy if create_with else PolicyConfig()))
+        self._handle: Any = None
+        self._reachable = False  # until the controller first answers
+        self.last_directive: Directive | None = None
+        self.last_error: str | None = None
+        self.fallbacks = 0  # reports answered by the local policy
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the last report was answered by the controller (the metric's value)."""
+        return self._reachable
+
+    async def report(self, snapshot: PressureSnapshot, morph_state: MorphState) -> Directive:
+        """Send one snapshot; the controller's directive, or the local policy's when it cannot answer."""
+        try:
+            self._runner.observe(snapshot)
+        except Exception:  # a malformed snapshot must not reach the serving path either
+            log.exception("could not record a pressure snapshot")
+        try:
+            directive = await asyncio.wait_for(self._ask(snapshot, morph_state), self.timeout_s)
+            if not isinstance(directive, Directive):
+                raise TypeError(f"controller answered {type(directive).__name__}, not a Directive")
+        except Exception as e:  # timeout, actor dead / restarting / missing, Ray down: decide locally
+            self._on_failure(e)
+            directive = self._local(morph_state)
+        else:
+            self._reachable, self.last_error = True, None
+            if directive.mode != self._runner.config.mode:  # follow a fleet-wide set_mode in the fallback too
+                self._runner.set_config(self._runner.config.with_mode(directive.mode))
+        self.last_directive = directive
+        return directive
+
+    async def _ask(self, snapshot: PressureSnapshot, morph_state: MorphState) -> Directive:
+        if self._handle is None:
+            self._handle = await asyncio.to_thread(self._resolve)
+        return await self._handle.report.remote(self.replica_id, snapshot, morph_state)
+
+    def _on_failure(self, error: Exception) -> None:
+        if self._reachable or self.last_error is None:  # log transitions, not every report
+            log.warning("fleet controller unreachable (%s: %s); using the local policy",
+                        type(error).__name__, error)
+        self._reachable = False
+        self.last_error = f"{type(error).__name__}: {error}"
+        self._handle = None  # look the actor up again next time (it may have been restarted or recreated)
+        self.fallbacks += 1
+
+    def _local(self, morph_state: MorphState) -> Directive:
+        try:
+            return self._runner.decide(morph_state)
+        except Exception as e:  # a bug in the policy must not take the replica down: hold still
+            log.exception("local policy failed; holding the current morph state")
+            return Directive(target_quantized=morph_state.num_quantized,
+                             precision=self._runner.config.active.precision, mode=self._runner.config.mode,
+                             reason=f"local policy failed ({type(e).__name__}); hold", source="local")
+
+    def _resolve_by_name(self) -> Any:
+        import ray
+
+        if not ray.is_initialized():  # never let a lookup start a Ray cluster inside a replica
+            raise RuntimeError("Ray is not initialized in this process")
+        if self._create_with is not None:
+            from controller.fleet import get_or_create_controller
+
+            return get_or_create_controller(self._name, self._namespace, self._create_with)
+        return ray.get_actor(self._name, namespace=self._namespace)

@@ -1,0 +1,189 @@
+"""FleetController: the detached, named Ray actor every replica reports to a few times a second.
+
+It keeps each replica's recent snapshots, runs the same pure policy for it, and adds the fleet rules:
+  * accuracy budget: at most `fleet_max_quantized_layers` quantized layers over all replicas; when
+    replicas together want more, the budget goes to those under most pressure first (the others are
+    capped, and restore if they hold more than their share);
+  * scale-out: a replica that stays at its morph cap under sustained pressure for
+    `scale_out_after_s` (measured on its own snapshot clock) asks for another replica;
+  * forgetting: a replica silent for `replica_timeout_s` (controller clock) leaves the view.
+
+The actor holds no durable state on purpose. Ray restarts it after a crash (max_restarts=-1) with
+the config it was created with: it starts empty (a `set_mode` made since is lost) and rebuilds its
+view from the next report of each replica; replicas run the policy locally in the meantime.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+
+from controller.directive import Directive
+from controller.policy import current_target, decide, is_pressured, morph_cap, pressure_score
+from controller.policy_config import FleetConfig
+from engine.errors import InvalidRequestError
+from engine.morph.actions import MorphState
+from engine.pressure import PressureSnapshot
+
+DEFAULT_NAME = "morphserve-controller"
+DEFAULT_NAMESPACE = "morphserve"
+
+
+@dataclasses.dataclass
+class ReplicaView:
+    """What the controller knows about one replica (rebuilt from reports after a restart)."""
+    history: collections.deque[PressureSnapshot]
+    state: MorphState
+    last_report: float  # controller clock
+    directive: Directive | None = None
+    at_cap_since: float | None = None  # the replica's snapshot time when it became saturated
+    reports: int = 0
+
+    def at_cap_for(self) -> float:
+        if self.at_cap_since is None or not self.history:
+            return 0.0
+        return self.history[-1].time - self.at_cap_since
+
+
+class FleetController:
+    """Plain class (tests drive it directly with a fake clock); `get_or_create_controller` runs it
+    as a Ray actor."""
+
+    def __init__(self, config: FleetConfig | dict | None = None, clock: Callable[[], float] = time.monotonic):
+        self._config = config if isinstance(config, FleetConfig) else FleetConfig.model_validate(config or {})
+        self._clock = clock
+        self._replicas: dict[str, ReplicaView] = {}
+        self.instance_id = uuid.uuid4().hex[:12]  # changes on every (re)start: lets operators see restarts
+        self.started_at = time.time()
+
+    @property
+    def config(self) -> FleetConfig:
+        return self._config
+
+    def report(self, replica_id: str, snapshot: PressureSnapshot, morph_state: MorphState) -> Directive:
+        """Record one replica's snapshot and state; answer with its directive."""
+        if not isinstance(replica_id, str) or not replica_id:
+            raise InvalidRequestError("replica_id must be a non-empty string", param="replica_id")
+        now = self._clock()
+        self._forget_silent(now)
+        view = self._replicas.get(replica_id)
+        if view is None:
+            view = ReplicaView(collections.deque(maxlen=self._config.policy.history_len), morph_state, now)
+            self._replicas[replica_id] = view
+        if not view.history or snapshot.time > view.history[-1].time:  # drop late retries / duplicates
+            view.history.append(snapshot)
+        view.state, view.last_report, view.reports = morph_state, now, view.reports + 1
+        grants = self._grants()
+        directive = decide(view.history, view.state, self._config.policy, cap=grants.get(replica_id))
+        reason = directive.reason
+        if replica_id in grants and grants[replica_id] < morph_cap(view.state, self._config.policy):
+            reason += f" [fleet budget grants this replica {grants[replica_id]} layer(s)]"
+        directive = dataclasses.replace(directive, source="controller", reason=reason)
+        self._track_saturation(view, directive, grants.get(replica_id))
+        view.directive = directive
+        return directive
+
+    def _grants(self) -> dict[str, int]:
+        """Each replica's share of the fleet budget; empty when there is no fleet cap. Replicas under
+        most pressure are served first; a replica's demand is what its own policy would target."""
+        budget = self._config.fleet_max_quantized_layers
+        if budget is None:
+            return {}
+        policy = self._config.policy
+        demand = {rid: decide(v.history, v.state, policy).target_quantized for rid, v in self._replicas.items()}
+        order = sorted(self._replicas, key=lambda rid: (-self._score(self._replicas[rid]), rid))
+        grants, remaining = {}, budget
+        for rid in order:
+            grants[rid] = min(demand[rid], remaining)
+            remaining -= grants[rid]
+        return grants
+
+    def _score(self, view: ReplicaView) -> float:
+        """Mean pressure score over the entry window: smooth enough that one spike does not reorder."""
+        tail = list(view.history)[-self._config.policy.enter_after:]
+        mode = self._config.policy.active
+        return sum(pressure_score(s, mode) for s in tail) / len(tail) if tail else 0.0
+
+    def _track_saturation(self, view: ReplicaView, directive: Directive, grant: int | None) -> None:
+        """Saturated = at its cap (mode or fleet) while its latest snapshot is still under pressure."""
+        policy = self._config.policy
+        at_cap = current_target(view.state) >= morph_cap(view.state, policy, grant)
+        if not (at_cap and view.history and is_pressured(view.history[-1], policy.active)):
+            view.at_cap_since = None
+        elif directive.scale_out and view.at_cap_since is None:
+            view.at_cap_since = view.history[-1].time
+
+    def _forget_silent(self, now: float) -> None:
+        timeout = self._config.replica_timeout_s
+        for rid in [rid for rid, v in self._replicas.items() if now - v.last_report > timeout]:
+            del self._replicas[rid]
+
+    def scale_out_signal(self) -> dict:
+        """How many more replicas would help: one per replica saturated for scale_out_after_s."""
+        self._forget_silent(self._clock())
+        after = self._config.scale_out_after_s
+        saturated = sorted(rid for rid, v in self._replicas.items()
+                           if v.at_cap_since is not None and v.at_cap_for() >= after)
+        extra = min(len(saturated), self._config.max_extra_replicas)
+        reason = (f"{len(saturated)} replica(s) at their morph cap under pressure for >= {after:g} s"
+                  if saturated else "no replica is saturated")
+        return {"desired_extra_replicas": extra, "saturated_replicas": saturated,
+                "replicas": len(self._replicas), "reason": reason}
+
+    def set_mode(self, mode: str) -> str:
+        """Switch every replica's policy mode (lost if the actor restarts: it reverts to its config)."""
+        try:
+            policy = self._config.policy.with_mode(mode)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="mode") from None
+        self._config = self._config.model_copy(update={"policy": policy})
+        return policy.mode
+
+    def status(self) -> dict:
+        """Every replica's last snapshot summary, morph state and directive, plus fleet totals."""
+        now = self._clock()
+        self._forget_silent(now)
+        replicas = {rid: _replica_summary(v, now) for rid, v in sorted(self._replicas.items())}
+        targets = sum(v.directive.target_quantized for v in self._replicas.values() if v.directive)
+        budget = self._config.fleet_max_quantized_layers
+        totals = {"replicas": len(replicas),
+                  "quantized_layers": sum(v.state.num_quantized for v in self._replicas.values()),
+                  "target_quantized_layers": targets, "fleet_budget": budget,
+                  "budget_left": None if budget is None else budget - targets}
+        return {"instance_id": self.instance_id, "started_at": self.started_at,
+                "mode": self._config.policy.mode, "replicas": replicas, "totals": totals,
+                "scale_out": self.scale_out_signal()}
+
+
+def _replica_summary(view: ReplicaView, now: float) -> dict:
+    s, st = view.history[-1], view.state
+    return {
+        "last_snapshot": {"time": s.time, "step": s.step, "kv_usage": round(s.kv_usage, 4),
+                          "kv_capacity_blocks": s.kv_capacity_blocks, "num_running": s.num_running,
+                          "num_waiting": s.num_waiting, "queue_delay_s": s.queue_delay_s,
+                          "throughput_tok_s": s.throughput_tok_s, "preemptions_total": s.preemptions_total},
+        "morph_state": {"num_layers": len(st.layer_precisions), "num_quantized": st.num_quantized,
+                        "precisions": [p.value for p in st.layer_precisions],
+                        "swap_order_source": st.swap_order_source, "pending": len(st.pending),
+                        "morphing_enabled": st.morphing_enabled},
+        "directive": view.directive.summary() if view.directive else None,
+        "seconds_since_report": round(now - view.last_report, 3),
+        "reports": view.reports,
+        "at_cap_for_s": round(view.at_cap_for(), 3),
+    }
+
+
+def get_or_create_controller(name: str = DEFAULT_NAME, namespace: str = DEFAULT_NAMESPACE,
+                             config: FleetConfig | None = None):
+    """The named, detached controller actor: created on first call, the existing one afterwards (its
+    config wins over `config` then). Needs `ray.init` done by the caller.
+
+    max_task_retries=0: a report is only worth its freshness; one lost in a crash is not replayed
+    (the replica has already fallen back to its local policy and reports again shortly)."""
+    import ray
+
+    actor_cls = ray.remote(FleetController)
+    return actor_cls.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
+                             max_restarts=-1, max_task_retries=0, num_cpus=0).remote(config or FleetConfig())

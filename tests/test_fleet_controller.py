@@ -1,0 +1,241 @@
+"""The fleet controller: its rules driven directly (fake clock), the client's fallback with fake
+actor handles, and the whole thing on a local Ray cluster with a controller restart."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from controller.client import ControllerClient
+from controller.directive import Directive
+from controller.fleet import FleetController, get_or_create_controller
+from controller.policy_config import FleetConfig, PolicyConfig
+from engine.errors import InvalidRequestError
+from engine.morph.actions import MorphState, SetQuantizedTarget
+from engine.precision import Precision
+from engine.pressure import LedgerFigures, PressureSnapshot
+
+LEDGER = LedgerFigures(budget=1000, weights=500, kv=400, reserve=50)
+NUM_LAYERS, BASE_BLOCKS, BLOCKS_PER_LAYER = 10, 100, 10
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeReplica:
+    """A replica's morph state plus a load it cannot shed: `queue_delay` stays as set."""
+
+    def __init__(self, replica_id: str, kv_usage: float, queue_delay: float):
+        self.replica_id, self.kv_usage, self.queue_delay, self.t = replica_id, kv_usage, queue_delay, 0.0
+        self.state = MorphState(layer_precisions=(Precision.BF16,) * NUM_LAYERS, full_precision=Precision.BF16,
+                                swap_order=tuple(reversed(range(NUM_LAYERS))), swap_order_source="front-to-back",
+                                kv_capacity_blocks=BASE_BLOCKS, kv_max_blocks=400)
+
+    def snapshot(self) -> PressureSnapshot:
+        self.t += 0.25
+        cap = self.state.kv_capacity_blocks
+        return PressureSnapshot(time=self.t, step=int(self.t * 4), kv_used_blocks=round(self.kv_usage * cap),
+                                kv_capacity_blocks=cap, kv_max_blocks=400, num_running=8, num_waiting=2,
+                                queue_delay_s=self.queue_delay, ttft_recent_s=0.5, tpot_recent_s=0.05,
+                                throughput_tok_s=50.0, preemptions_total=0, ledger=LEDGER)
+
+    def apply(self, directive: Directive) -> None:
+        action: SetQuantizedTarget = directive.to_action()
+        low = set(self.state.swap_order[:action.count])
+        self.state = dataclasses.replace(
+            self.state, kv_capacity_blocks=BASE_BLOCKS + BLOCKS_PER_LAYER * action.count,
+            layer_precisions=tuple(action.precision if i in low else Precision.BF16 for i in range(NUM_LAYERS)))
+
+
+def drive(fleet: FleetController, replicas: list[FakeReplica], rounds: int, clock: FakeClock | None = None):
+    """Every replica reports once per round and applies its directive; returns the max fleet total."""
+    peak = 0
+    for _ in range(rounds):
+        for r in replicas:
+            r.apply(fleet.report(r.replica_id, r.snapshot(), r.state))
+        peak = max(peak, sum(r.state.num_quantized for r in replicas))
+        if clock is not None:
+            clock.now += 0.25
+    return peak
+
+
+def test_fleet_budget_goes_to_the_replica_under_most_pressure():
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4), clock=FakeClock())
+    hot, warm = FakeReplica("hot", 0.99, 0.5), FakeReplica("warm", 0.9, 0.2)
+    peak = drive(fleet, [hot, warm], rounds=40)
+    assert peak <= 4
+    assert hot.state.num_quantized == 4 and warm.state.num_quantized == 0
+    status = fleet.status()
+    assert status["totals"]["target_quantized_layers"] == 4 and status["totals"]["budget_left"] == 0
+    assert "fleet budget grants this replica 0" in status["replicas"]["warm"]["directive"]["reason"]
+    assert status["replicas"]["hot"]["directive"]["source"] == "controller"
+
+
+def test_without_a_fleet_budget_each_replica_reaches_its_mode_cap():
+    fleet = FleetController(FleetConfig(policy=PolicyConfig(mode="accuracy")), clock=FakeClock())
+    replicas = [FakeReplica("a", 0.99, 0.5), FakeReplica("b", 0.95, 0.3)]
+    drive(fleet, replicas, rounds=40)
+    assert [r.state.num_quantized for r in replicas] == [3, 3]  # floor(0.3 * 10)
+    assert all(r.state.count(Precision.INT8) == 3 for r in replicas)
+
+
+def test_scale_out_after_a_sustained_period_at_the_cap():
+    fleet = FleetController(FleetConfig(scale_out_after_s=5.0, max_extra_replicas=1), clock=FakeClock())
+    a, b = FakeReplica("a", 0.99, 0.5), FakeReplica("b", 0.99, 0.5)
+    drive(fleet, [a, b], rounds=15)  # reaches the cap of 6 (balanced, +2 a step) but not yet for 5 s
+    assert a.state.num_quantized == 6 and fleet.scale_out_signal()["desired_extra_replicas"] == 0
+    drive(fleet, [a, b], rounds=25)  # 6.25 s more of snapshots at the cap
+    signal = fleet.scale_out_signal()
+    assert signal["saturated_replicas"] == ["a", "b"] and signal["desired_extra_replicas"] == 1
+    a.queue_delay, a.kv_usage = 0.0, 0.5  # the load on a falls: it is no longer saturated
+    drive(fleet, [a], rounds=1)
+    assert fleet.scale_out_signal()["saturated_replicas"] == ["b"]
+
+
+def test_silent_replicas_are_forgotten():
+    clock = FakeClock()
+    fleet = FleetController(FleetConfig(replica_timeout_s=2.0), clock=clock)
+    a, b = FakeReplica("a", 0.5, 0.0), FakeReplica("b", 0.5, 0.0)
+    drive(fleet, [a, b], rounds=2, clock=clock)
+    assert set(fleet.status()["replicas"]) == {"a", "b"}
+    drive(fleet, [a], rounds=9, clock=clock)  # b silent for 2.25 s
+    assert set(fleet.status()["replicas"]) == {"a"} and fleet.status()["totals"]["replicas"] == 1
+
+
+def test_set_mode_reaches_every_directive_and_rejects_unknown_modes():
+    fleet = FleetController(FleetConfig(), clock=FakeClock())
+    r = FakeReplica("a", 0.5, 0.0)
+    assert fleet.set_mode("accuracy") == "accuracy"
+    directive = fleet.report("a", r.snapshot(), r.state)
+    assert directive.mode == "accuracy" and directive.precision == Precision.INT8
+    with pytest.raises(InvalidRequestError, match="use one of"):
+        fleet.set_mode("turbo")
+    with pytest.raises(InvalidRequestError, match="replica_id"):
+        fleet.report("", r.snapshot(), r.state)
+
+
+class FakeHandle:
+    """An actor handle whose `report.remote` plays the given behaviours, one per call."""
+
+    def __init__(self, *behaviours):
+        self._behaviours = iter(behaviours)
+        self.report = self
+
+    def remote(self, *args):
+        return next(self._behaviours)(*args)
+
+
+def test_client_falls_back_locally_and_retries_by_name():
+    controller = FleetController(FleetConfig(policy=PolicyConfig(mode="performance")), clock=FakeClock())
+
+    async def answer(*args):
+        return controller.report(*args)
+
+    async def hang(*args):
+        await asyncio.Event().wait()  # never answers: the client's deadline must cut it
+
+    async def die(*args):
+        raise RuntimeError("actor died")
+
+    handles = iter([FakeHandle(answer, hang), FakeHandle(die), FakeHandle(answer, answer)])
+    resolved = []
+
+    def resolve():
+        resolved.append(next(handles))
+        return resolved[-1]
+
+    client = ControllerClient("r1", PolicyConfig(), timeout_s=0.05, resolve=resolve)
+    replica = FakeReplica("r1", 0.99, 0.5)
+
+    async def scenario():
+        sources = []
+        for _ in range(5):
+            directive = await client.report(replica.snapshot(), replica.state)
+            sources.append((directive.source, client.reachable))
+            replica.apply(directive)
+        return sources
+
+    assert asyncio.run(scenario()) == [("controller", True), ("local", False), ("local", False),
+                                       ("controller", True), ("controller", True)]
+    assert len(resolved) == 3  # a failure drops the handle; the next report looks the actor up again
+    assert client.fallbacks == 2 and client.last_error is None
+    assert client.last_directive.mode == "performance"  # the local fallback follows the fleet's mode
+    assert client._runner.config.mode == "performance"
+
+
+def test_client_without_ray_never_raises():
+    client = ControllerClient("r1", PolicyConfig(), name="nobody-here", timeout_s=0.2)
+    replica = FakeReplica("r1", 0.99, 0.5)
+    directives = [asyncio.run(client.report(replica.snapshot(), replica.state)) for _ in range(3)]
+    assert all(d.source == "local" for d in directives) and not client.reachable
+    assert directives[-1].target_quantized == 2  # the local policy still acts on sustained pressure
+
+
+# --- on a local Ray cluster -----------------------------------------------------------------------
+
+def _until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    if ray.is_initialized():  # another module's cluster is still up: share it, leave it to its owner
+        yield ray
+        return
+    # Ray 2.60 turns token auth on for a new local cluster; init must still work with it on.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    assert ray.is_initialized()
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_replicas_report_through_ray_and_survive_a_controller_restart(ray_cluster):
+    ray = ray_cluster
+    name, namespace = "test-controller", "morphserve-test"
+    actor = get_or_create_controller(name, namespace, FleetConfig(fleet_max_quantized_layers=4))
+    replicas = [FakeReplica("hot", 0.99, 0.5), FakeReplica("warm", 0.9, 0.2)]
+    clients = {r.replica_id: ControllerClient(r.replica_id, PolicyConfig(), name=name, namespace=namespace,
+                                              timeout_s=5.0) for r in replicas}
+
+    async def round_of_reports():
+        for r in replicas:
+            r.apply(await clients[r.replica_id].report(r.snapshot(), r.state))
+
+    for _ in range(30):
+        asyncio.run(round_of_reports())
+        assert sum(r.state.num_quantized for r in replicas) <= 4
+    assert all(c.reachable for c in clients.values())
+    assert [r.state.num_quantized for r in replicas] == [4, 0]
+    before = ray.get(actor.status.remote(), timeout=30)
+    assert set(before["replicas"]) == {"hot", "warm"} and before["totals"]["quantized_layers"] == 4
+
+    for c in clients.values():
+        c.timeout_s = 0.1  # shorter than an actor restart, so the outage is visible
+    ray.kill(actor, no_restart=False)
+    _until(lambda: (asyncio.run(round_of_reports()), not any(c.reachable for c in clients.values()))[1],
+           60, "both clients to fall back to the local policy")
+    assert all(c.last_directive.source == "local" for c in clients.values())
+    _until(lambda: (asyncio.run(round_of_reports()), all(c.reachable for c in clients.values()))[1],
+           120, "the restarted controller to answer again")
+    after = ray.get(ray.get_actor(name, namespace=namespace).status.remote(), timeout=30)
+    assert after["instance_id"] != before["instance_id"]  # a fresh actor, rebuilt from the reports
+    assert set(after["replicas"]) == {"hot", "warm"}
+    assert all(after["replicas"][rid]["reports"] >= 1 for rid in ("hot", "warm"))
+    ray.kill(actor, no_restart=True)
