@@ -1,0 +1,1 @@
+"""Prometheus and Grafana assets for MorphServe (see README.md in this folder)."""
