@@ -1,0 +1,1 @@
+"""Operations tooling: benchmarks and trace replay (bench/), answer quality (quality/), monitoring assets."""

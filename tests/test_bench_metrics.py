@@ -1,0 +1,119 @@
+"""Run metrics on hand-made timings (exact percentiles and SLO counts), repeat aggregation, ROUGE-L."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ops.bench import BenchmarkInputError
+from ops.bench.loadgen import RequestRecord, ServerSample
+from ops.bench.metrics import aggregate, compute_run_metrics, percentile, spread
+from ops.quality.rouge import agreement, lcs_length, quality_loss_reduction, rouge_l_f1, tokenize
+
+
+def _ok(i: int, ttft: float, n_tokens: int = 5, gap: float = 0.25, queue: float | None = None) -> RequestRecord:
+    first = i + ttft
+    times = tuple(first + gap * k for k in range(n_tokens))
+    return RequestRecord(request_id=f"r{i}", scheduled_s=float(i), sent_s=float(i), first_token_s=first,
+                         token_times_s=times, end_s=times[-1], status=200, output_text="x " * n_tokens,
+                         output_tokens=n_tokens, prompt_tokens=10, error=None, queue_s=queue)
+
+
+def _records() -> list[RequestRecord]:
+    # 8 served requests with TTFT 0.125, 0.25, ..., 1.0 s (exact in binary), 5 tokens 0.25 s apart;
+    # one HTTP 500 (sent 0.04 s late) and one never sent.
+    records = [_ok(i, 0.125 * (i + 1), queue=0.0625 * i if i < 4 else None) for i in range(8)]
+    records.append(RequestRecord("r8", 8.0, 8.04, None, (), 8.1, 500, "", 0, 10, "HTTP 500: boom"))
+    records.append(RequestRecord("r9", 9.0, None, None, (), None, None, "", 0, 10, "not sent before the deadline"))
+    return records
+
+
+def test_percentile_interpolates_linearly():
+    values = list(range(1, 102))  # 1..101
+    assert (percentile(values, 50), percentile(values, 95), percentile(values, 99)) == (51, 96, 100)
+    assert percentile([0.0, 1.0], 25) == 0.25
+    assert percentile([], 50) is None
+    with pytest.raises(BenchmarkInputError):
+        percentile([1.0], 101)
+
+
+def test_run_metrics_on_known_timings():
+    samples = [ServerSample(0.0, {"preemptions_total": 3.0}), ServerSample(4.0, {"kv_usage": 0.5}),
+               ServerSample(5.0, {"preemptions_total": 7.0})]
+    m = compute_run_metrics(_records(), slo_ttft_s=0.5, samples=samples)
+    assert (m.num_requests, m.num_ok) == (10, 8)
+    # TTFT ranks over 8 values: P50 at 3.5, P95 at 6.65, P99 at 6.93 (0-based)
+    assert m.ttft_s.p50 == pytest.approx(0.5625)
+    assert m.ttft_s.p95 == pytest.approx(0.875 + 0.65 * 0.125)
+    assert m.ttft_s.p99 == pytest.approx(0.875 + 0.93 * 0.125)
+    assert m.ttft_s.mean == pytest.approx(0.5625)
+    assert (m.tpot_s.count, m.tpot_s.p50, m.tpot_s.p99) == (8, pytest.approx(0.25), pytest.approx(0.25))
+    assert (m.itl_s.count, m.itl_s.p95) == (32, pytest.approx(0.25))
+    assert m.e2e_s.p50 == pytest.approx(1.5625)
+    # TTFT <= 0.5 s: 4 of 10 requests; the failed and the unsent ones are violations
+    assert (m.slo_violations, m.slo_violation_rate) == (6, pytest.approx(0.6))
+    assert m.duration_s == pytest.approx(9.0)  # last end (7 + 1.0 + 1.0) - first scheduled (0)
+    assert m.goodput_rps == pytest.approx(4 / 9)
+    assert m.throughput_tok_s == pytest.approx(40 / 9)
+    assert (m.queue_s.count, m.queue_s.p50) == (4, pytest.approx(0.09375))
+    assert m.preemptions == 4
+    assert m.send_lag_p99_s == pytest.approx(0.92 * 0.04)
+
+
+def test_run_metrics_without_server_reports():
+    m = compute_run_metrics(_records()[4:6], slo_ttft_s=2.0)  # served, no queue reported
+    assert m.queue_s.count == 0 and m.queue_s.p95 is None and m.preemptions is None
+    assert m.slo_violation_rate == 0.0
+    with pytest.raises(BenchmarkInputError, match="slo_ttft_s"):
+        compute_run_metrics(_records(), slo_ttft_s=0)
+
+
+def test_aggregate_repeats_median_min_max():
+    runs = [compute_run_metrics(_records(), slo) for slo in (0.25, 0.5, 1.0)]  # 2, 4, 8 meet the SLO
+    agg = aggregate(runs)
+    rate = agg["slo_violation_rate"]
+    assert (rate.median, rate.min, rate.max, rate.n) == (pytest.approx(0.6), pytest.approx(0.2), pytest.approx(0.8), 3)
+    assert rate.format() == "0.6 [0.2–0.8]"
+    assert agg["ttft_s.p50"].format() == "0.562"  # identical across repeats: no range shown
+    assert agg["preemptions"].median is None and agg["preemptions"].format() == "n/a"
+    s = spread([3.0, None, 1.0, 2.0])
+    assert (s.median, s.min, s.max, s.n) == (2.0, 1.0, 3.0, 3)
+
+
+# --- ROUGE-L ---------------------------------------------------------------------------------------
+
+def test_rouge_l_known_values():
+    assert tokenize("The CAT, sat! 42x") == ["the", "cat", "sat", "42x"]
+    assert rouge_l_f1("the cat sat on the mat", "the cat is on the mat") == pytest.approx(5 / 6)
+    # candidate 3 tokens, reference 6, LCS 3: P = 1, R = 0.5, F1 = 2/3
+    assert rouge_l_f1("The cat, mat.", "the cat is on the mat") == pytest.approx(2 / 3)
+    assert rouge_l_f1("", "") == 1.0 and rouge_l_f1("a", "") == 0.0 and rouge_l_f1("a b", "c d") == 0.0
+
+
+def _lcs_dp(a, b):
+    row = [0] * (len(b) + 1)
+    for x in a:
+        prev_diag = 0
+        for j, y in enumerate(b, start=1):
+            prev_diag, row[j] = row[j], prev_diag + 1 if x == y else max(row[j], row[j - 1])
+    return row[-1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("abcd"), max_size=40), st.lists(st.sampled_from("abcd"), max_size=40))
+def test_bit_parallel_lcs_matches_dynamic_programming(a, b):
+    assert lcs_length(a, b) == _lcs_dp(a, b) == lcs_length(b, a)
+
+
+def test_agreement_counts_missing_responses_as_zero():
+    refs = {"r0": "the cat sat", "r1": "a dog ran", "r2": "birds fly"}
+    got = agreement({"r0": "the cat sat", "r1": "a dog", "extra": "ignored"}, refs)
+    # r0: 1.0; r1: P = 1, R = 2/3 -> 0.8; r2 missing -> 0
+    assert got.per_request == {"r0": 1.0, "r1": pytest.approx(0.8), "r2": 0.0}
+    assert got.mean == pytest.approx(0.6) and (got.n_scored, got.n_missing) == (2, 1)
+
+
+def test_quality_loss_reduction():
+    assert quality_loss_reduction(0.1, 0.4) == pytest.approx(0.75)
+    assert quality_loss_reduction(0.4, 0.4) == 0.0
+    assert quality_loss_reduction(0.1, 0.0) is None and quality_loss_reduction(None, 0.3) is None

@@ -1,0 +1,92 @@
+"""The report builder on a tiny fake result set: files, JSON numbers, report.md table rows, quality."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ops.bench import BenchmarkInputError
+from ops.bench.loadgen import RequestRecord, ServerSample
+from ops.bench.report import BenchResults, BenchSettings, SystemRun, build_report, score_quality, summarize
+
+FP_TEXT = "the cat sat on the mat"
+INT4_TEXT = "the dog sat on a mat"  # LCS with FP_TEXT is 4 of 6 tokens: ROUGE-L F1 = 2/3
+BASE_TTFT = {"fp": 1.0, "int4": 0.25, "morph": 0.5}
+
+
+def _record(i: int, ttft: float, text: str) -> RequestRecord:
+    first = i + ttft
+    times = (first, first + 0.5, first + 1.0)
+    return RequestRecord(request_id=f"req-{i}", scheduled_s=float(i), sent_s=float(i), first_token_s=first,
+                         token_times_s=times, end_s=times[-1], status=200, output_text=text,
+                         output_tokens=3, prompt_tokens=10, error=None)
+
+
+def _run(system: str, repeat: int) -> SystemRun:
+    ttft = BASE_TTFT[system] + 0.125 * repeat
+    texts = {"fp": [FP_TEXT] * 4, "int4": [INT4_TEXT] * 4, "morph": [FP_TEXT, INT4_TEXT, FP_TEXT, INT4_TEXT]}[system]
+    timeline = tuple(ServerSample(t, {"kv_usage": 0.2 * t, "kv_capacity_blocks": 100 + 10 * t,
+                                      "quantized_layers": float(t // 2), "preemptions_total": float(t)})
+                     for t in range(5))
+    return SystemRun(system=system, repeat=repeat, records=tuple(_record(i, ttft, texts[i]) for i in range(4)),
+                     timeline=timeline)
+
+
+@pytest.fixture
+def results() -> BenchResults:
+    runs = [_run(system, r) for r in range(3) for system in ("fp", "int4", "morph")]
+    references = {f"req-{i}": FP_TEXT for i in range(4)}
+    settings = BenchSettings(title="Tiny bench", model="tiny", memory_budget="1 GiB", workload="4 requests",
+                             slo_ttft_s=0.75, full_precision_system="fp", static_int4_system="int4",
+                             commands=("python -m ops.bench.run_all --quick",), notes=("fake data",))
+    return BenchResults(settings=settings, runs=score_quality(runs, "fp", references))
+
+
+def test_summary_numbers(results):
+    table = summarize(results)
+    ttft = table["fp"]["ttft_s.p50"]
+    assert (ttft.median, ttft.min, ttft.max, ttft.n) == (1.125, 1.0, 1.25, 3)
+    # SLO 0.75 s: fp (TTFT >= 1 s) never meets it; int4 and morph (TTFT <= 0.75 s, inclusive) always do
+    assert table["fp"]["slo_violation_rate"].median == 1.0
+    assert table["int4"]["slo_violation_rate"].max == 0.0
+    assert table["morph"]["slo_violation_rate"].max == 0.0
+    assert table["morph"]["preemptions"].median == 4
+    assert table["int4"]["rouge_l_vs_full"].median == pytest.approx(2 / 3)
+    assert table["morph"]["rouge_l_vs_full"].median == pytest.approx(5 / 6)
+    # loss: int4 1/3, morph 1/6 -> reduction 1 - (1/6)/(1/3) = 0.5, by both quality measures
+    assert table["morph"]["loss_reduction_vs_int4_full"].median == pytest.approx(0.5)
+    assert table["morph"]["loss_reduction_vs_int4_reference"].median == pytest.approx(0.5)
+    assert table["int4"]["loss_reduction_vs_int4_full"].median == pytest.approx(0.0)
+
+
+def test_build_report_writes_files_json_and_table_rows(results, tmp_path):
+    paths = build_report(results, tmp_path / "out")
+    names = sorted(p.name for p in paths.plots)
+    assert names == ["quality_vs_p95_ttft.png", "timeline_fp.png", "timeline_int4.png", "timeline_morph.png",
+                     "ttft_cdf.png"]
+    for p in (paths.report_md, paths.results_json, *paths.plots):
+        assert p.is_file() and p.stat().st_size > 0
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths.plots)
+
+    data = json.loads(paths.results_json.read_text())
+    assert data["settings"]["slo_ttft_s"] == 0.75
+    assert data["summary"]["int4"]["ttft_s.p50"] == {"median": 0.375, "min": 0.25, "max": 0.5, "n": 3}
+    assert len(data["runs"]) == 9 and len(data["runs"][0]["requests"]) == 4
+    assert data["runs"][0]["requests"][0]["output_text"] == FP_TEXT
+    assert data["runs"][0]["timeline"][1] == {"t_s": 1, "kv_usage": 0.2, "kv_capacity_blocks": 110,
+                                              "quantized_layers": 0.0, "preemptions_total": 1.0}
+
+    md = paths.report_md.read_text()
+    assert "| fp | 1.125 [1–1.25] | 1.125 [1–1.25] | 1.125 [1–1.25] | 0.5 | 0.5 | 0.5 |" in md
+    assert "| int4 | 0.375 [0.25–0.5] |" in md
+    assert "| morph | 0.833 | 0.833 | 0.5 | 0.5 |" in md  # the quality table
+    assert "| fp | 1 | 0 | " in md  # SLO table: every request violated the SLO, so no goodput
+    assert "TTFT SLO: 0.75 s" in md and "python -m ops.bench.run_all --quick" in md and "fake data" in md
+    assert "## Machine" in md and "![ttft_cdf.png](ttft_cdf.png)" in md
+
+
+def test_build_report_needs_runs_and_a_full_precision_run(results, tmp_path):
+    with pytest.raises(BenchmarkInputError, match="no runs"):
+        build_report(BenchResults(results.settings, ()), tmp_path)
+    with pytest.raises(BenchmarkInputError, match="full-precision"):
+        score_quality(results.runs, "missing", {})
