@@ -1,0 +1,201 @@
+"""The small protocol between the HTTP ingress and an engine, and the records that cross it.
+
+The ingress only ever sees an `EngineClient`: in tests a `FakeEngine`, in Ray Serve a
+`HandleEngineClient` over the engine replica's DeploymentHandle. Records are frozen dataclasses of
+plain values, so they pickle across the Ray boundary. Exceptions do not cross it well (Ray wraps them
+and drops custom attributes such as `param`), so the replica turns engine errors into a final chunk
+with `error` set (`stream_with_error_chunks`) and `HandleEngineClient` raises them again on this side.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+
+from controller.policy_config import ModeName
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.outputs import FinishReason, RequestOutput
+
+ErrorKind = Literal["invalid_request", "overloaded", "dead", "internal"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: the prompt is already tokenized (the ingress applied the chat template)."""
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.sampling_params.SamplingParams.create."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("request_id", "prompt_token_ids")}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineErrorInfo:
+    """Why the engine refused or failed a request, as plain values (see module docstring)."""
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateChunk:
+    """A delta of one request's output. The last chunk has finish_reason set (or error)."""
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    error: EngineErrorInfo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about the served model, fetched once by the ingress."""
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    created: int  # unix seconds when the engine loaded the model
+
+
+@dataclasses.dataclass(frozen=True)
+class AdminUpdate:
+    """An operator's change to morphing; None fields stay as they are."""
+    mode: ModeName | None = None  # pin the policy mode
+    morphing_enabled: bool | None = None  # False: stop morphing (and restore as pressure allows)
+    quantized_layers: int | None = None  # pin this many layers below full precision...
+    precision: Literal["int8", "int4"] | None = None  # ...at this precision
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """An async generator of chunks. Closing it early (client gone) aborts the request.
+        Raises InvalidRequestError, EngineOverloadedError, EngineDeadError or anything else."""
+        ...
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def tokenize(self, text: str) -> list[int]: ...
+
+    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Apply the model's chat template (with the generation prompt) and tokenize."""
+        ...
+
+    async def check_health(self) -> None:
+        """Return when the engine can serve; raise (e.g. EngineDeadError) when it cannot."""
+        ...
+
+    async def admin_status(self) -> dict[str, Any]: ...
+
+    async def admin_set(self, update: AdminUpdate) -> dict[str, Any]: ...
+
+
+def error_info_from_exception(exc: BaseException) -> EngineErrorInfo:
+    if isinstance(exc, InvalidRequestError):
+        return EngineErrorInfo("invalid_request", str(exc), exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return EngineErrorInfo("overloaded", str(exc))
+    if isinstance(exc, EngineDeadError):
+        return EngineErrorInfo("dead", str(exc))
+    return EngineErrorInfo("internal", f"{type(exc).__name__}: {exc}")
+
+
+class EngineInternalError(RuntimeError):
+    """An unexpected fault inside the engine replica, re-raised on the ingress side (-> HTTP 500)."""
+
+
+def exception_from_error_info(info: EngineErrorInfo) -> Exception:
+    if info.kind == "invalid_request":
+        return InvalidRequestError(info.message, param=info.param)
+    if info.kind == "overloaded":
+        return EngineOverloadedError(info.message)
+    if info.kind == "dead":
+        return EngineDeadError(info.message)
+    return EngineInternalError(info.message)
+
+
+async def stream_with_error_chunks(request: GenerateRequest,
+                                   stream: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+    """Replica side: pass chunks through, and turn an exception into one final error chunk."""
+    sent = None
+    try:
+        async for chunk in stream:
+            sent = chunk
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the client as a chunk
+        yield GenerateChunk(request.request_id, "", (), None,
+                            sent.num_prompt_tokens if sent else len(request.prompt_token_ids),
+                            sent.num_output_tokens if sent else 0, error_info_from_exception(exc))
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class HandleEngineClient:
+    """EngineClient over a Ray Serve DeploymentHandle to the engine replica deployment, whose
+    methods have the same names: `generate` streams chunks (errors as chunks), the others return
+    values. Ray Serve's back-pressure becomes EngineOverloadedError (-> 503)."""
+
+    def __init__(self, handle: Any):
+        self._handle = handle
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from ray.serve.exceptions import BackPressureError
+
+        responses = self._handle.options(stream=True).generate.remote(request)
+        finished = False
+        try:
+            async for chunk in responses:
+                if chunk.error is not None:
+                    raise exception_from_error_info(chunk.error)
+                finished = chunk.finish_reason is not None
+                yield chunk
+        except BackPressureError as exc:
+            raise EngineOverloadedError(f"all engine replicas are busy: {exc}") from exc
+        finally:
+            if not finished:
+                responses.cancel()  # the replica's generator is cancelled, which aborts the request
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        from ray.serve.exceptions import BackPressureError
+
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except BackPressureError as exc:
+            raise EngineOverloadedError(f"all engine replicas are busy: {exc}") from exc
+
+    async def model_info(self) -> ModelInfo:
+        return await self._call("model_info")
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self._call("tokenize", text)
+
+    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return await self._call("tokenize_chat", messages)
+
+    async def check_health(self) -> None:
+        await self._call("check_health")
+
+    async def admin_status(self) -> dict[str, Any]:
+        return await self._call("admin_status")
+
+    async def admin_set(self, update: AdminUpdate) -> dict[str, Any]:
+        return await self._call("admin_set", update)
+
+
+def chunk_from_output(output: RequestOutput) -> GenerateChunk:
+    """Replica side: the engine's per-step RequestOutput as the chunk that crosses to the ingress."""
+    return GenerateChunk(output.request_id, output.text, tuple(output.token_ids), output.finish_reason,
+                         output.num_prompt_tokens, output.num_output_tokens)

@@ -1,0 +1,239 @@
+"""Every Prometheus metric MorphServe exports (names: docs/ARCHITECTURE.md "Metric names").
+
+Inside a Ray Serve replica the metrics are `ray.serve.metrics` objects (Ray exports them with the
+`ray_` prefix and adds application/deployment/replica tags). Outside Ray (unit tests, the CLI, a
+demo without a cluster) `InMemoryBackend` keeps counts and sums instead, so the same calls work
+and tests can read what was recorded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Protocol
+
+from engine.morph.actions import ActionResult, MorphState
+from engine.pressure import PressureSnapshot
+
+# Seconds. TTFT / e2e follow vLLM's buckets (CPU serving is slow, so they reach minutes); ITL is
+# finer because one decode step is milliseconds on a GPU.
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0]
+ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
+QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+MORPH_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+
+PREFIX = "morphserve_"
+
+
+class Metric(Protocol):
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None: ...
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None: ...
+
+
+class MetricsBackend(Protocol):
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any: ...
+    def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any: ...
+    def histogram(self, name: str, description: str, boundaries: list[float], tag_keys: tuple[str, ...]) -> Any: ...
+
+
+class RayBackend:
+    """ray.serve.metrics; only meaningful inside a Ray actor (a Serve replica)."""
+
+    def counter(self, name, description, tag_keys):
+        from ray.serve.metrics import Counter
+        return Counter(name, description=description, tag_keys=tag_keys)
+
+    def gauge(self, name, description, tag_keys):
+        from ray.serve.metrics import Gauge
+        return Gauge(name, description=description, tag_keys=tag_keys)
+
+    def histogram(self, name, description, boundaries, tag_keys):
+        from ray.serve.metrics import Histogram
+        return Histogram(name, description=description, boundaries=boundaries, tag_keys=tag_keys)
+
+
+@dataclasses.dataclass
+class InMemoryMetric:
+    """Counter / gauge / histogram without Ray: value per tag set (histograms: count and sum)."""
+    name: str
+    kind: str
+    tag_keys: tuple[str, ...] = ()
+    values: dict[tuple, float] = dataclasses.field(default_factory=dict)
+    counts: dict[tuple, int] = dataclasses.field(default_factory=dict)
+
+    def _key(self, tags: dict[str, str] | None) -> tuple:
+        # Stricter than Ray (which ignores undeclared tags): a tag set must match the declared keys.
+        if set(tags or {}) != set(self.tag_keys):
+            raise ValueError(f"metric {self.name} takes tags {self.tag_keys}, got {sorted(tags or {})}")
+        return tuple(sorted((tags or {}).items()))
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        if value < 0:
+            raise ValueError(f"counter {self.name} cannot decrease (inc by {value})")
+        key = self._key(tags)
+        self.values[key] = self.values.get(key, 0.0) + value
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.values[self._key(tags)] = float(value)
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        key = self._key(tags)
+        self.values[key] = self.values.get(key, 0.0) + value
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def value(self, **tags: str) -> float:
+        """Counter/gauge value (histogram: sum of observations) for exactly these tags."""
+        return self.values.get(self._key(tags), 0.0)
+
+    def count(self, **tags: str) -> int:
+        return self.counts.get(self._key(tags), 0)
+
+
+class InMemoryBackend:
+    def __init__(self) -> None:
+        self.metrics: dict[str, InMemoryMetric] = {}
+
+    def _make(self, name: str, kind: str, tag_keys: tuple[str, ...]) -> InMemoryMetric:
+        self.metrics[name] = InMemoryMetric(name, kind, tuple(tag_keys))
+        return self.metrics[name]
+
+    def counter(self, name, description, tag_keys):
+        return self._make(name, "counter", tag_keys)
+
+    def gauge(self, name, description, tag_keys):
+        return self._make(name, "gauge", tag_keys)
+
+    def histogram(self, name, description, boundaries, tag_keys):
+        return self._make(name, "histogram", tag_keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """What the ingress measured for one finished request."""
+    finish_reason: str  # stop | length | abort | error
+    num_prompt_tokens: int
+    num_output_tokens: int
+    e2e_s: float
+    ttft_s: float | None  # None when no token came back
+    itl_s: tuple[float, ...] = ()  # one per streamed delta after the first (per token)
+
+
+def default_backend() -> MetricsBackend:
+    try:
+        from ray.serve import context
+        in_replica = context._get_internal_replica_context() is not None
+    except ImportError:
+        in_replica = False
+    return RayBackend() if in_replica else InMemoryBackend()
+
+
+class ServeMetrics:
+    """All MorphServe metrics for one model; every metric carries `model_name`."""
+
+    def __init__(self, model_name: str, backend: MetricsBackend | None = None):
+        self.model_name = model_name
+        self.backend = backend if backend is not None else default_backend()
+        self._tags = {"model_name": model_name}
+        self._last_preemptions = 0
+        b, m = self.backend, ("model_name",)
+        self.ttft = b.histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS, m)
+        self.itl = b.histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS, m)
+        self.e2e = b.histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS, m)
+        self.queue_time = b.histogram(PREFIX + "request_queue_time_seconds", "Time waiting before first schedule", QUEUE_BUCKETS, m)
+        self.running = b.gauge(PREFIX + "num_requests_running", "Requests being processed", m)
+        self.waiting = b.gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled", m)
+        self.queue_delay = b.gauge(PREFIX + "queue_delay_seconds", "Wait of the oldest waiting request", m)
+        self.kv_usage = b.gauge(PREFIX + "kv_cache_usage_perc", "Used / committed KV blocks (0..1)", m)
+        self.kv_capacity = b.gauge(PREFIX + "kv_cache_capacity_blocks", "Committed KV blocks", m)
+        self.quantized = b.gauge(PREFIX + "quantized_layers", "Layers held at a lower precision", m + ("precision",))
+        self.reachable = b.gauge(PREFIX + "controller_reachable", "1 when the fleet controller answers", m)
+        self.memory = b.gauge(PREFIX + "memory_bytes", "Ledger bytes by owner", m + ("kind",))
+        self.preemptions = b.counter(PREFIX + "num_preemptions", "Requests preempted (recompute)", m)
+        self.prompt_tokens = b.counter(PREFIX + "prompt_tokens", "Prompt tokens processed", m)
+        self.generation_tokens = b.counter(PREFIX + "generation_tokens", "Tokens generated", m)
+        self.success = b.counter(PREFIX + "request_success", "Finished requests", m + ("finished_reason",))
+        self.actions = b.counter(PREFIX + "morph_actions", "Layer swaps (per layer) and KV resizes", m + ("kind",))
+        self.swap_latency = b.histogram(PREFIX + "layer_swap_latency_seconds", "Layer swap time", MORPH_BUCKETS, m + ("direction",))
+        self.resize_latency = b.histogram(PREFIX + "kv_resize_latency_seconds", "KV resize time", MORPH_BUCKETS, m + ("direction",))
+
+    def _t(self, **extra: str) -> dict[str, str]:
+        return {**self._tags, **extra}
+
+    def observe_request(self, record: RequestRecord) -> None:
+        if record.ttft_s is not None:
+            self.ttft.observe(record.ttft_s, self._t())
+        for gap in record.itl_s:
+            self.itl.observe(gap, self._t())
+        self.e2e.observe(record.e2e_s, self._t())
+        self.success.inc(1, self._t(finished_reason=record.finish_reason))
+        if record.num_prompt_tokens:
+            self.prompt_tokens.inc(record.num_prompt_tokens, self._t())
+        if record.num_output_tokens:
+            self.generation_tokens.inc(record.num_output_tokens, self._t())
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(seconds, self._t())
+
+    def set_pressure(self, snapshot: PressureSnapshot) -> None:
+        self.running.set(snapshot.num_running, self._t())
+        self.waiting.set(snapshot.num_waiting, self._t())
+        self.queue_delay.set(snapshot.queue_delay_s, self._t())
+        self.kv_usage.set(snapshot.kv_usage, self._t())
+        self.kv_capacity.set(snapshot.kv_capacity_blocks, self._t())
+        ledger = snapshot.ledger
+        for kind in ("budget", "weights", "kv", "reserve"):
+            self.memory.set(getattr(ledger, kind), self._t(kind=kind))
+        # The snapshot carries a running total; the counter gets the increase since the last one.
+        increase = snapshot.preemptions_total - self._last_preemptions
+        if increase > 0:
+            self.preemptions.inc(increase, self._t())
+        self._last_preemptions = snapshot.preemptions_total
+
+    def set_morph_state(self, state: MorphState) -> None:
+        for precision in ("int8", "int4"):
+            self.quantized.set(sum(1 for p in state.layer_precisions if p.value == precision),
+                               self._t(precision=precision))
+        self.kv_capacity.set(state.kv_capacity_blocks, self._t())
+
+    def count_action(self, result: ActionResult) -> None:
+        """Count a finished action: one swap per layer changed, one resize per KV change."""
+        if result.status != "done":
+            return
+        if result.layers_changed and result.weight_bytes_delta != 0:
+            down = result.weight_bytes_delta < 0
+            self.actions.inc(len(result.layers_changed), self._t(kind="swap_down" if down else "restore"))
+            self.swap_latency.observe(result.swap_seconds, self._t(direction="down" if down else "up"))
+        if result.kv_blocks_delta != 0:
+            grow = result.kv_blocks_delta > 0
+            self.actions.inc(1, self._t(kind="kv_grow" if grow else "kv_shrink"))
+            self.resize_latency.observe(result.resize_seconds, self._t(direction="grow" if grow else "shrink"))
+
+    def set_controller_reachable(self, reachable: bool) -> None:
+        self.reachable.set(1.0 if reachable else 0.0, self._t())
+
+
+class RequestTimer:
+    """Measures one request as its chunks arrive (monotonic clock) and yields its RequestRecord."""
+
+    def __init__(self, clock=None):
+        self._clock = clock or time.monotonic
+        self.start = self._clock()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._itl: list[float] = []
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = self._clock()
+        if self._first is None:
+            self._first = now
+        else:  # a delta of several tokens counts as that many equal gaps' mean
+            self._itl.append((now - self._last) / num_tokens)
+        self._last = now
+
+    def record(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> RequestRecord:
+        ttft = None if self._first is None else self._first - self.start
+        return RequestRecord(finish_reason, num_prompt_tokens, num_output_tokens, self._clock() - self.start,
+                             ttft, tuple(self._itl))

@@ -1,0 +1,281 @@
+"""The OpenAI request models, the chunk -> OpenAI formatting, the ingress <-> engine records and
+HandleEngineClient (over a stand-in for a Ray Serve DeploymentHandle), and the FakeEngine itself."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import pickle
+
+import pytest
+from pydantic import ValidationError
+
+from deployments import protocol as p
+from deployments.engine_client import (AdminUpdate, EngineClient, EngineErrorInfo, EngineInternalError,
+                                       GenerateChunk, GenerateRequest, HandleEngineClient, ModelInfo,
+                                       error_info_from_exception, exception_from_error_info,
+                                       stream_with_error_chunks)
+from deployments.fake_engine import FakeEngine
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def drain(stream) -> list[GenerateChunk]:
+    return [chunk async for chunk in stream]
+
+
+def chat(**extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+# ---- request models ----------------------------------------------------------------------------
+
+def test_unknown_fields_are_ignored_and_types_are_strict():
+    req = p.ChatCompletionRequest.model_validate(chat(some_future_field={"x": 1}, temperature=1))
+    assert req.temperature == 1.0
+    for bad in ({"temperature": "0.5"}, {"max_tokens": True}, {"stream": "yes"}, {"seed": 1.5}):
+        with pytest.raises(ValidationError):
+            p.ChatCompletionRequest.model_validate(chat(**bad))
+
+
+def test_content_parts_are_joined_and_non_text_parts_refused():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = p.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": parts}]})
+    assert req.chat_messages() == [{"role": "user", "content": "a\nb"}]
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    with pytest.raises(ValidationError, match="only text"):
+        p.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": image}]})
+
+
+def test_sampling_fields_normalize_stop_and_top_k():
+    req = p.ChatCompletionRequest.model_validate(chat(stop="END", top_k=0, temperature=0.0, seed=7))
+    fields = req.sampling_fields()
+    assert fields["stop"] == ("END",) and fields["top_k"] == -1 and fields["temperature"] == 0.0
+    assert fields["seed"] == 7 and "top_p" not in fields  # unset fields keep the engine's defaults
+    SamplingParams.create(max_tokens=4, **fields)  # the engine accepts what the ingress produces
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_unsupported_chat_features_name_their_parameter(extra, param):
+    req = p.ChatCompletionRequest.model_validate(chat(**extra))
+    with pytest.raises(p.UnsupportedFeature) as info:
+        req.check_supported()
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("extra, param", [({"best_of": 2}, "best_of"), ({"logprobs": 1}, "logprobs"),
+                                          ({"echo": True}, "echo")])
+def test_unsupported_completion_features(extra, param):
+    req = p.CompletionRequest.model_validate({"model": "m", "prompt": "x", **extra})
+    with pytest.raises(p.UnsupportedFeature) as info:
+        req.check_supported()
+    assert info.value.param == param
+
+
+def test_completion_prompt_forms():
+    assert p.CompletionRequest.model_validate({"model": "m", "prompt": ["one"]}).prompt == "one"
+    assert p.CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6]]}).prompt == [5, 6]
+    for bad in ("", [], ["a", "b"], [1, "a"], 3, [True]):
+        with pytest.raises(ValidationError):
+            p.CompletionRequest.model_validate({"model": "m", "prompt": bad})
+
+
+def test_error_body_has_the_openai_shape():
+    body = p.error_body(400, "bad", param="temperature")
+    assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "temperature", "code": 400}}
+
+
+# ---- formatting --------------------------------------------------------------------------------
+
+def _chunk(text, finish=None, prompt=3, out=1):
+    return GenerateChunk("r", text, (1,) if text else (), finish, prompt, out)
+
+
+def test_chat_stream_renderer_order_and_usage():
+    render = p.chat_stream_renderer("chatcmpl-1", "m", include_usage=True)
+    first = render(_chunk("a"))
+    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first[1]["choices"][0]["delta"] == {"content": "a"} and first[1]["usage"] is None
+    last = render(_chunk("b", "length", out=2))
+    assert [c["choices"][0]["delta"] for c in last[:2]] == [{"content": "b"}, {}]
+    assert last[1]["choices"][0]["finish_reason"] == "length"
+    assert last[2]["choices"] == [] and last[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_stream_chunks_carry_no_usage_key_unless_asked():
+    chat_render = p.chat_stream_renderer("c", "m", include_usage=False)
+    comp_render = p.completion_stream_renderer("c", "m", include_usage=False)
+    for out in (chat_render(_chunk("a", "stop")), comp_render(_chunk("a", "stop"))):
+        assert out and all("usage" not in c for c in out)
+
+
+# ---- records crossing the Ray boundary ---------------------------------------------------------
+
+def test_records_pickle_and_are_frozen():
+    req = GenerateRequest("r1", (1, 2), 8, temperature=0.0, stop=("x",))
+    chunk = GenerateChunk("r1", "a", (3,), None, 2, 1, EngineErrorInfo("invalid_request", "m", "seed"))
+    for record in (req, chunk, ModelInfo("m", 128, 256, (2,), 0), AdminUpdate(mode="accuracy")):
+        assert pickle.loads(pickle.dumps(record)) == record
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.max_tokens = 9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("exc, cls", [(InvalidRequestError("bad seed", param="seed"), InvalidRequestError),
+                                      (EngineOverloadedError("full"), EngineOverloadedError),
+                                      (EngineDeadError("dead"), EngineDeadError),
+                                      (KeyError("boom"), EngineInternalError)])
+def test_errors_round_trip_through_error_info(exc, cls):
+    back = exception_from_error_info(pickle.loads(pickle.dumps(error_info_from_exception(exc))))
+    assert type(back) is cls and str(exc) in str(back)
+    if cls is InvalidRequestError:
+        assert back.param == "seed"
+
+
+def test_stream_with_error_chunks_ends_with_the_error():
+    engine = FakeEngine()
+    engine.inject_fault(InvalidRequestError("no", param="top_k"), after_tokens=2)
+    req = GenerateRequest("r", (65, 66, 67, 68), 10)
+    chunks = run(drain(stream_with_error_chunks(req, engine.generate(req))))
+    assert [c.text for c in chunks[:2]] == ["A", "B"] and chunks[-1].error is not None
+    assert chunks[-1].error.param == "top_k" and chunks[-1].num_output_tokens == 2
+
+
+# ---- HandleEngineClient over a stand-in handle -------------------------------------------------
+
+class FakeReplica:
+    """What the engine replica deployment exposes: generate yields chunks, errors as chunks."""
+
+    def __init__(self, engine: FakeEngine):
+        self.engine = engine
+
+    def generate(self, request):
+        return stream_with_error_chunks(request, self.engine.generate(request))
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+class FakeResponseGenerator:
+    def __init__(self, agen, reject):
+        self._agen, self._reject, self.cancelled = agen, reject, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._reject is not None:
+            raise self._reject
+        return await self._agen.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+        asyncio.get_event_loop().create_task(self._agen.aclose())
+
+
+class FakeHandle:
+    """Mimics DeploymentHandle: handle.options(stream=True).method.remote(*args)."""
+
+    def __init__(self, replica, stream=False, reject=None):
+        self.replica, self.stream, self.reject, self.responses = replica, stream, reject, []
+
+    def options(self, stream=False):
+        clone = FakeHandle(self.replica, stream, self.reject)
+        clone.responses = self.responses
+        return clone
+
+    def __getattr__(self, name):
+        fn, handle = getattr(self.replica, name), self
+
+        class Method:
+            @staticmethod
+            def remote(*args):
+                if handle.stream:
+                    handle.responses.append(FakeResponseGenerator(fn(*args), handle.reject))
+                    return handle.responses[-1]
+
+                async def call():
+                    if handle.reject is not None:
+                        raise handle.reject
+                    return await fn(*args)
+                return call()
+        return Method()
+
+
+def test_handle_client_streams_and_raises_engine_errors():
+    engine = FakeEngine()
+    client = HandleEngineClient(FakeHandle(FakeReplica(engine)))
+    assert isinstance(client, EngineClient) and isinstance(engine, EngineClient)
+    req = GenerateRequest("r", (72, 105), 10)
+    chunks = run(drain(client.generate(req)))
+    assert "".join(c.text for c in chunks) == "Hi" and chunks[-1].finish_reason == "stop"
+    assert run(client.tokenize("ab")) == [97, 98] and run(client.model_info()).served_model_name == "fake-echo"
+    bad = GenerateRequest("r2", (72,), 10, top_p=2.0)  # the engine's SamplingParams refuses it
+    with pytest.raises(InvalidRequestError) as info:
+        run(drain(client.generate(bad)))
+    assert info.value.param == "top_p"
+
+
+def test_handle_client_maps_ray_back_pressure_to_overloaded():
+    from ray.serve.exceptions import BackPressureError
+
+    client = HandleEngineClient(FakeHandle(FakeReplica(FakeEngine()), reject=BackPressureError(
+        num_queued_requests=5, max_queued_requests=5)))
+    with pytest.raises(EngineOverloadedError):
+        run(drain(client.generate(GenerateRequest("r", (72,), 4))))
+    with pytest.raises(EngineOverloadedError):
+        run(client.tokenize_chat([{"role": "user", "content": "x"}]))
+
+
+def test_handle_client_cancels_the_replica_stream_when_closed_early():
+    engine = FakeEngine()
+    handle = FakeHandle(FakeReplica(engine))
+    client = HandleEngineClient(handle)
+
+    async def read_one_then_close():
+        stream = client.generate(GenerateRequest("r", (72, 105, 33), 10))
+        await anext(stream)
+        await stream.aclose()
+        await asyncio.sleep(0)  # let the cancellation task the handle scheduled run
+    run(read_one_then_close())
+    assert handle.responses[0].cancelled and engine.aborted == ["r"]
+
+
+# ---- FakeEngine behaviour ----------------------------------------------------------------------
+
+def test_fake_engine_stop_strings_stop_ids_and_ignore_eos():
+    engine = FakeEngine()
+    ids = tuple(ord(c) for c in "abcdef")
+    out = run(drain(engine.generate(GenerateRequest("a", ids, 20, stop=("cd",)))))
+    assert "".join(c.text for c in out) == "ab" and out[-1].finish_reason == "stop"
+    out = run(drain(engine.generate(GenerateRequest("b", ids, 20, stop_token_ids=(ord("c"),)))))
+    assert "".join(c.text for c in out) == "ab" and out[-1].finish_reason == "stop"
+    out = run(drain(engine.generate(GenerateRequest("c", ids, 9, ignore_eos=True))))
+    assert "".join(c.text for c in out) == "abcdefabc" and out[-1].finish_reason == "length"
+    assert engine.finished == ["a", "b", "c"] and engine.aborted == [] and not engine.in_flight
+
+
+def test_fake_engine_refuses_beyond_its_queue_limit():
+    engine = FakeEngine(queue_limit=1)
+
+    async def two_at_once():
+        first = engine.generate(GenerateRequest("a", (65, 66), 4))
+        await anext(first)
+        with pytest.raises(EngineOverloadedError):
+            await anext(engine.generate(GenerateRequest("b", (65,), 4)))
+        await first.aclose()
+    run(two_at_once())
+    assert engine.aborted == ["a"]
+
+
+def test_chunk_from_engine_output():
+    from deployments.engine_client import chunk_from_output
+    from engine.outputs import RequestOutput
+
+    out = RequestOutput("r", "hi", (5, 6), 3, 2, "length", 0.0, 0.1, 0.2)
+    assert chunk_from_output(out) == GenerateChunk("r", "hi", (5, 6), "length", 3, 2)
