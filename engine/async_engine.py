@@ -1,0 +1,220 @@
+"""AsyncLLMEngine: one stepping thread owns the LLMEngine; asyncio code talks to it with commands.
+
+    event loop                                   stepping thread
+    generate() --(add command, future)-->        runs commands at a step boundary, then step()
+    async for out  <--call_soon_threadsafe--     outputs, per request, into that request's queue
+
+The thread sleeps on a Condition while there is neither work nor a command (no polling). Every
+engine call happens on the thread, so the engine needs no locks; the loop never blocks on a step.
+A consumer that stops iterating (or is cancelled: client disconnect) aborts its request at once,
+freeing its blocks. A step that raises fails only the requests in it; the loop keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any, Callable
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.llm_engine import LLMEngine, StepFailed
+from engine.morph.actions import ActionResult, MorphAction, MorphState
+from engine.outputs import RequestOutput
+from engine.pressure import PressureSnapshot
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Command = tuple[Callable[[LLMEngine], Any], "asyncio.AbstractEventLoop | None", "asyncio.Future | None"]
+
+
+def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    if fut.done():  # the awaiting coroutine was cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+        if (config is None) == (engine is None):
+            raise ValueError("pass exactly one of config or engine")
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self._cond = threading.Condition()
+        self._commands: collections.deque[Command] = collections.deque()
+        self._sinks: dict[str, Callable[[Any], None]] = {}  # touched only by the stepping thread
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._pressure = self.engine.pressure()
+        self._morph_state = self.engine.morph_state()
+        self._thread = threading.Thread(target=self._run, name="morphserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- facts (immutable after start) -------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def pressure(self) -> PressureSnapshot:
+        """The snapshot taken after the latest step or command."""
+        return self._pressure
+
+    def morph_state(self) -> MorphState:
+        return self._morph_state
+
+    # -- asyncio API -------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: Any) -> None:  # called on the stepping thread
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params)
+            self._sinks[request_id] = sink
+
+        await self.run_at_step_boundary(add)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # consumer went away (aclose, cancellation, error): free the blocks now
+                self._post((lambda engine: self._abort(request_id), None, None))
+
+    async def apply(self, action: MorphAction) -> ActionResult:
+        """Run a morph action on the stepping thread at the next step boundary."""
+        return await self.run_at_step_boundary(lambda engine: engine.apply(action))
+
+    async def abort(self, request_id: str) -> None:
+        await self.run_at_step_boundary(lambda engine: self._abort(request_id))
+
+    async def run_at_step_boundary(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the stepping thread between two steps; its result (or exception) comes back."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post((fn, loop, fut))
+        return await fut
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    # -- the stepping thread -----------------------------------------------------------------
+    def _post(self, command: Command) -> None:
+        with self._cond:
+            if self._dead is not None or self._stopped:
+                fn, loop, fut = command
+                if fut is not None:
+                    loop.call_soon_threadsafe(_settle, fut, None, EngineDeadError("the engine is shut down"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopped or self._commands or self.engine.has_unfinished()):
+                        self._cond.wait()
+                    if self._stopped:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    self._run_command(command)
+                if self.engine.has_unfinished():
+                    self._step()
+                self._pressure = self.engine.pressure()
+                self._morph_state = self.engine.morph_state()
+        except BaseException as e:  # a bug in the loop itself: nothing can be served any more
+            logger.exception("engine loop died")
+            self._dead = e
+        finally:
+            self._fail_everything(EngineDeadError("the engine stopped; retry on another replica"))
+
+    def _run_command(self, command: Command) -> None:
+        fn, loop, fut = command
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:
+            result, error = None, e
+            if fut is None:
+                logger.exception("engine command failed")
+        if fut is not None:
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:  # that event loop is closed; nobody is waiting any more
+                pass
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepFailed as e:  # the engine already aborted these requests
+            for rid in e.request_ids:
+                self._deliver(rid, e, last=True)
+            return
+        except Exception as e:  # outside the model step: reset every request to stay consistent
+            logger.exception("engine step failed outside the model; failing requests %s", list(self._sinks))
+            for rid in list(self._sinks):
+                self.engine.abort(rid)
+                self._deliver(rid, e, last=True)
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out, last=out.finished)
+
+    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        sink = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
+        if sink is None:
+            return
+        try:
+            sink(item)
+        except RuntimeError:  # the consumer's event loop is gone: nobody will read this request
+            self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._cond:
+            self._stopped = True
+            commands = list(self._commands)
+            self._commands.clear()
+        for fn, loop, fut in commands:
+            if fut is not None:
+                try:
+                    loop.call_soon_threadsafe(_settle, fut, None, error)
+                except RuntimeError:
+                    pass
+        for rid in list(self._sinks):
+            self._deliver(rid, error, last=True)

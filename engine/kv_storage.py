@@ -1,0 +1,87 @@
+"""The KV tensor, block-major so that the highest block ids are one contiguous tail of memory:
+
+    kv: [max_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]
+          ^ committed [0, capacity)            reserved, not resident [capacity, max_blocks)
+
+Only committed blocks cost memory:
+- CPU: the whole max_blocks range is one anonymous mmap; pages never written are not resident,
+  and shrinking hands the tail's pages back to the OS with madvise(MADV_DONTNEED), so RSS falls.
+- CUDA: the tensor holds exactly `capacity` blocks; resizing reallocates and copies the kept ones.
+  Views from layer() are therefore only valid until the next set_capacity(): re-read them per step.
+"""
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+
+class KVStorage:
+    def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device, max_blocks: int, capacity: int):
+        if not 0 <= capacity <= max_blocks:
+            raise ValueError(f"need 0 <= capacity ({capacity}) <= max_blocks ({max_blocks})")
+        self.num_layers, self.block_size = num_layers, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_blocks = max_blocks
+        self.capacity = capacity
+        self._block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+        self._mmap: mmap.mmap | None = None
+        if self.device.type == "cpu":
+            self.kv = self._reserve_cpu()
+        else:
+            self.kv = torch.empty((capacity, *self._block_shape), dtype=dtype, device=self.device)
+
+    def _reserve_cpu(self) -> torch.Tensor:
+        nbytes = max(self.max_blocks * self.block_bytes, 1)
+        # Anonymous private mapping: address space only; the kernel backs a page on first write.
+        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flat = torch.frombuffer(self._mmap, dtype=torch.uint8)[: self.max_blocks * self.block_bytes]
+        return flat.view(self.dtype).view(self.max_blocks, *self._block_shape)
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.capacity * self.block_bytes
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer, each [blocks, block_size, num_kv_heads, head_dim] (a view)."""
+        return self.kv[:, layer, 0], self.kv[:, layer, 1]
+
+    def copy_blocks(self, mapping: dict[int, int]) -> None:
+        """Copy every layer's K and V of block src into block dst, for each src -> dst."""
+        if not mapping:
+            return
+        src = torch.tensor(list(mapping.keys()), dtype=torch.long, device=self.kv.device)
+        dst = torch.tensor(list(mapping.values()), dtype=torch.long, device=self.kv.device)
+        if set(mapping.keys()) & set(mapping.values()):
+            raise ValueError("copy_blocks needs disjoint source and destination ids")
+        self.kv[dst] = self.kv[src]
+
+    def set_capacity(self, new_capacity: int) -> None:
+        """Commit blocks [0, new_capacity); blocks above it lose their contents."""
+        if not 0 <= new_capacity <= self.max_blocks:
+            raise ValueError(f"capacity must be in [0, {self.max_blocks}], got {new_capacity}")
+        if self._mmap is not None:
+            if new_capacity < self.capacity:
+                self._release_cpu_tail(new_capacity, self.capacity)
+        else:
+            self._reallocate(new_capacity)
+        self.capacity = new_capacity
+
+    def _release_cpu_tail(self, start_block: int, end_block: int) -> None:
+        # Round the start up: a page that still holds part of a kept block must stay.
+        page = mmap.PAGESIZE
+        start = -(-start_block * self.block_bytes // page) * page
+        end = min(-(-end_block * self.block_bytes // page) * page, len(self._mmap))
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def _reallocate(self, new_capacity: int) -> None:
+        kept = min(self.capacity, new_capacity)
+        new = torch.empty((new_capacity, *self._block_shape), dtype=self.dtype, device=self.device)
+        new[:kept].copy_(self.kv[:kept])
+        self.kv = new

@@ -1,0 +1,54 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, with one torch.Generator per request.
+
+Every row is computed from its own logits and its own generator only, so a seeded request draws
+the same tokens alone or inside any batch. Sampling uses the exponential race
+(argmax(p / E), E ~ Exp(1)), which draws from p with one random number per vocabulary entry.
+"""
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: Seq[SamplingParams],
+           generators: Seq[torch.Generator | None]) -> list[int]:
+    """logits: [N, vocab] (fp32), one row per request -> N token ids."""
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(f"sample() got logits {tuple(logits.shape)} for {len(params)} requests")
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+        scaled = logits.index_select(0, index) / temps.unsqueeze(1)
+        probs = _filtered_probs(scaled, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            noise[j].exponential_(generator=generators[i])
+        tokens[index] = (probs / noise).argmax(dim=-1)
+    return tokens.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Softmax over the tokens that survive top-k then top-p (rows: [N, vocab])."""
+    if all(k < 0 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return torch.softmax(logits, dim=-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    # p == 1 drops nothing (rounding may push the cumulative sum to 1 early), so an unfiltered row
+    # gives bit-identical probabilities on this path and on the shortcut above.
+    drop = (mass_before >= p) & (ranks > 0) & (p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.softmax(filtered, dim=-1)

@@ -1,0 +1,115 @@
+"""AsyncLLMEngine: concurrent streams, cancellation frees blocks at once, faults fail only their requests."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.llm_engine import LLMEngine, StepFailed
+from engine.morph.actions import RestoreLayer
+from engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    eng = AsyncLLMEngine(engine=LLMEngine(EngineConfig(
+        model=str(tiny_model_dir), dtype="fp32", memory_budget="32MiB", max_model_len=64,
+        block_size=4, reserve="1MiB", enable_morphing=False)))
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine: AsyncLLMEngine, rid: str, prompt, params=PARAMS) -> list:
+    return [out async for out in engine.generate(rid, prompt, params)]
+
+
+def test_concurrent_generates_all_complete_and_match_a_lone_run(engine):
+    prompts = {f"r{i}": [5 + i] * (3 + 2 * i) for i in range(6)}
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, rid, p) for rid, p in prompts.items()))
+
+    results = asyncio.run(main())
+    for rid, outs in zip(prompts, results):
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 6
+        assert [o.request_id for o in outs] == [rid] * len(outs)
+    alone = asyncio.run(collect(engine, "again", prompts["r2"]))
+    assert [t for o in alone for t in o.token_ids] == [t for o in results[2] for t in o.token_ids]
+    assert engine.engine.pool.num_used == 0
+
+
+def test_closing_a_stream_mid_way_frees_its_blocks(engine):
+    async def main():
+        stream = engine.generate("a", list(range(5, 25)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        first = await stream.__anext__()
+        used_while_running = await engine.run_at_step_boundary(lambda e: e.pool.num_used)
+        await stream.aclose()
+        used_after = await engine.run_at_step_boundary(lambda e: e.pool.num_used)
+        return first, used_while_running, used_after
+
+    first, during, after = asyncio.run(main())
+    assert first.finish_reason is None and during >= 5 and after == 0
+
+
+def test_cancelling_the_consumer_task_frees_its_blocks(engine):
+    async def main():
+        got_one = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("a", [7] * 10, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)):
+                got_one.set()
+
+        task = asyncio.create_task(consume())
+        await got_one.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await engine.run_at_step_boundary(lambda e: (e.pool.num_used, e.has_unfinished()))
+
+    assert asyncio.run(main()) == (0, False)
+
+
+def test_a_failing_step_fails_only_its_requests_and_the_loop_keeps_serving(engine):
+    real_execute = engine.engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if any(c.request_id == "bad" for c in out.chunks):
+            raise RuntimeError("injected kernel fault")
+        return real_execute(out)
+
+    engine.engine.runner.execute = flaky
+
+    async def main():
+        with pytest.raises(StepFailed, match="bad"):
+            await collect(engine, "bad", [5, 6, 7])
+        return await collect(engine, "good", [5, 6, 7])
+
+    good = asyncio.run(main())
+    assert good[-1].finish_reason == "length" and engine.engine.pool.num_used == 0
+
+
+def test_bad_requests_raise_in_the_caller_and_apply_runs_on_the_thread(engine):
+    async def main():
+        with pytest.raises(InvalidRequestError):
+            await collect(engine, "x", [])
+        return await engine.apply(RestoreLayer(0))
+
+    assert asyncio.run(main()).status == "rejected"
+    assert engine.pressure().num_running == 0 and engine.morph_state().num_quantized == 0
+
+
+def test_after_shutdown_requests_get_engine_dead(engine):
+    engine.shutdown()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "late", [5, 6])
+
+    asyncio.run(main())

@@ -1,0 +1,78 @@
+"""KVStorage: block-major layout, copies across all layers, and real page release on shrink (CPU)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.kv_storage import KVStorage
+from engine.ledger import MemoryLedger
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def make(max_blocks=8, capacity=4, layers=3) -> KVStorage:
+    return KVStorage(num_layers=layers, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                     device="cpu", max_blocks=max_blocks, capacity=capacity)
+
+
+def test_layout_and_block_bytes():
+    s = make()
+    assert s.kv.shape == (8, 3, 2, 4, 2, 8)
+    assert s.block_bytes == 3 * 2 * 4 * 2 * 8 * 4
+    k, v = s.layer(1)
+    assert k.shape == v.shape == (8, 4, 2, 8)
+    k[2].fill_(5.0)
+    assert torch.all(s.kv[2, 1, 0] == 5.0) and torch.all(s.kv[2, 1, 1] == 0)
+
+
+def test_copy_blocks_moves_every_layer():
+    s = make()
+    for layer in range(3):
+        k, v = s.layer(layer)
+        k[3].fill_(layer + 1.0)
+        v[3].fill_(-(layer + 1.0))
+    s.copy_blocks({3: 0})
+    for layer in range(3):
+        k, v = s.layer(layer)
+        assert torch.all(k[0] == layer + 1.0) and torch.all(v[0] == -(layer + 1.0))
+    with pytest.raises(ValueError):
+        s.copy_blocks({1: 2, 2: 3})
+
+
+def test_shrink_returns_pages_to_the_os():
+    # 64 blocks of 1 MiB: RSS must rise by ~48 MiB when 48 committed blocks are written, and fall
+    # by ~32 MiB when capacity drops to 16 (the kept 16 blocks stay resident and intact).
+    s = KVStorage(num_layers=4, block_size=16, num_kv_heads=4, head_dim=512, dtype=torch.float32,
+                  device="cpu", max_blocks=64, capacity=48)
+    assert s.block_bytes == 2**20
+    before = rss_bytes()
+    s.kv[:48].fill_(1.0)
+    written = rss_bytes()
+    assert written - before > 40 * 2**20
+    s.set_capacity(16)
+    after = rss_bytes()
+    assert written - after > 24 * 2**20
+    assert torch.all(s.kv[:16] == 1.0)
+    s.set_capacity(48)  # regrown blocks come back zeroed (fresh pages), the kept ones unchanged
+    assert torch.all(s.kv[16:48] == 0) and torch.all(s.kv[:16] == 1.0)
+
+
+def test_ledger_refuses_changes_over_budget():
+    ledger = MemoryLedger(budget=1000, reserve=100)
+    ledger.set_base_weights(300)
+    ledger.set_layer_weights(0, 200)
+    ledger.set_kv(400)
+    assert ledger.figures().free == 0 and not ledger.can_fit(1)
+    with pytest.raises(RuntimeError, match="over budget"):
+        ledger.set_kv(401)
+    assert ledger.kv == 400  # the refused change left nothing behind
+    ledger.set_layer_weights(0, 50)
+    assert ledger.can_fit(150) and not ledger.can_fit(151)
+    ledger.check_integrity()
