@@ -56,6 +56,7 @@ class GenerateChunk:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
     error: EngineErrorInfo | None = None
+    queue_time_s: float | None = None  # on the last chunk: arrival to first schedule in the engine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -237,7 +237,10 @@ class _Server:
         finally:
             self.observe(timer, finish, last)
             await _close(stream)
-        return JSONResponse(build("".join(parts), last))
+        body = build("".join(parts), last)
+        if last.queue_time_s is not None and isinstance(body.get("usage"), dict):
+            body["usage"]["queue_time_s"] = last.queue_time_s
+        return JSONResponse(body)
 
     async def events(self, rid: str, first: GenerateChunk, stream: AsyncIterator[GenerateChunk],
                      timer: RequestTimer, render: Render) -> AsyncIterator[str]:
@@ -247,7 +250,10 @@ class _Server:
             while chunk is not None:
                 timer.on_tokens(len(chunk.token_ids))
                 last = chunk
-                for data in render(chunk):
+                events = render(chunk)
+                if chunk.queue_time_s is not None and events:  # for load generators (ops/bench/loadgen.py)
+                    events[-1] = {**events[-1], "queue_time_s": chunk.queue_time_s}
+                for data in events:
                     yield sse_event(data)
                 if chunk.finish_reason:
                     finish = chunk.finish_reason

@@ -1,0 +1,129 @@
+"""AppArgs: the arguments of the Serve application (`serve run deployments:app key=value ...`, the
+`args:` of a serve config / RayService), validated up front with messages that say what to change.
+
+Everything a replica needs is derived here once (EngineConfig, FleetConfig, IngressSettings), so a
+bad value fails `build_app` on the driver instead of crashing replicas one by one.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from controller.fleet import DEFAULT_NAME, DEFAULT_NAMESPACE
+from controller.policy_config import FleetConfig, ModeName, PolicyConfig
+from deployments.ingress import IngressSettings
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+
+API_KEY_ENV = "MORPHSERVE_API_KEY"
+ADMIN_TOKEN_ENV = "MORPHSERVE_ADMIN_TOKEN"
+# EngineConfig fields AppArgs sets itself; `engine` may carry any other EngineConfig field.
+_ENGINE_FIELDS_AT_TOP = ("model", "served_model_name", "dtype", "device", "memory_budget")
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # -- the engine --
+    model: str = Field("default", description="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
+    served_model_name: str | None = Field(None, description="name in /v1/models; default: the model folder's name")
+    memory_budget: int | str = Field("1GiB", description="bytes one engine replica may hold: weights + KV + reserve")
+    dtype: str = Field("bf16", description="full precision: bf16, fp16 or fp32")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the replica sees a GPU")
+    engine: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig knobs (block_size, max_num_seqs, max_model_len, ...)")
+    # -- the morph policy and the fleet controller --
+    mode: ModeName = Field("balanced", description="accuracy | balanced | performance")
+    policy: dict[str, Any] = Field(default_factory=dict, description="PolicyConfig overrides (enter_after, relax_after, thresholds, ...)")
+    fleet_max_quantized_layers: int | None = Field(None, ge=0, description="fleet accuracy budget: most quantized layers over all replicas")
+    scale_out_after_s: float = Field(30.0, ge=0.0, description="a replica at its morph cap under pressure this long asks for a peer")
+    controller_name: str = Field(DEFAULT_NAME, min_length=1)
+    controller_namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
+    report_interval_s: float = Field(0.25, gt=0.0, le=60.0, description="how often a replica reports pressure and applies its directive")
+    controller_timeout_s: float = Field(0.5, gt=0.0, description="a report not answered within this falls back to the local policy")
+    max_layers_per_step: int = Field(2, ge=1, description="most layers the engine swaps between two steps")
+    # -- Ray Serve --
+    num_replicas: int | None = Field(None, ge=1, description="engine replicas (fixed); exclusive with autoscaling_config")
+    autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling of the engine replicas")
+    max_ongoing_requests: int = Field(64, ge=1, description="requests one engine replica accepts at once (Ray Serve back-pressure beyond)")
+    max_queued_requests: int = Field(-1, ge=-1, description="requests a caller may queue for the engine replicas (-1: no limit); beyond -> 503")
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_max_ongoing_requests: int = Field(256, ge=1)
+    engine_num_cpus: float = Field(1.0, ge=0.0, description="Ray CPUs reserved per engine replica")
+    engine_num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per engine replica (1 on a GPU cluster)")
+    # -- HTTP --
+    api_key: str | None = Field(None, description=f"when set, /v1/* needs it as a bearer token (default: ${API_KEY_ENV})")
+    admin_token: str | None = Field(None, description=f"when set, /admin/* is on with this bearer token (default: ${ADMIN_TOKEN_ENV})")
+    retry_after_s: int = Field(1, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_from_env(cls, data: Any) -> Any:
+        # Secrets do not belong in a committed serve config: an unset key is read from the environment.
+        if isinstance(data, dict):
+            data = dict(data)
+            for key, env in (("api_key", API_KEY_ENV), ("admin_token", ADMIN_TOKEN_ENV)):
+                if data.get(key) is None and os.environ.get(env):
+                    data[key] = os.environ[env]
+        return data
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        doubled = [k for k in v if k in _ENGINE_FIELDS_AT_TOP]
+        if doubled:
+            raise ValueError(f"set {doubled} at the top level of the args, not inside 'engine'")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AppArgs":
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("give num_replicas or autoscaling_config, not both")
+        if "mode" in self.policy:
+            raise ValueError("set the mode with the top-level 'mode' arg, not inside 'policy'")
+        if self.autoscaling_config is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            AutoscalingConfig.model_validate(self.autoscaling_config)  # Ray's own checks, up front
+        # Build every derived config now: its validation errors surface here, named by field.
+        self.engine_config()
+        self.fleet_config()
+        self.ingress_settings()
+        return self
+
+    def engine_config(self, device: str | None = None) -> EngineConfig:
+        """`device`: what "auto" resolved to on the replica (the driver may have no GPU)."""
+        resolved = device or (self.device if self.device != "auto" else "cpu")
+        return EngineConfig(model=self.model, served_model_name=self.served_model_name, dtype=self.dtype,
+                            device=resolved, memory_budget=self.memory_budget, **self.engine)
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig.model_validate({**self.policy, "mode": self.mode})
+
+    def fleet_config(self) -> FleetConfig:
+        return FleetConfig(policy=self.policy_config(), fleet_max_quantized_layers=self.fleet_max_quantized_layers,
+                           scale_out_after_s=self.scale_out_after_s)
+
+    def ingress_settings(self) -> IngressSettings:
+        # Ray Serve's proxy already returns x-request-id; the app must not add a second one.
+        return IngressSettings(api_key=self.api_key, admin_token=self.admin_token,
+                               retry_after_s=self.retry_after_s, echo_request_id=False)
+
+
+def parse_app_args(args: dict[str, Any] | None) -> AppArgs:
+    """Validate `args`; a bad value raises InvalidRequestError naming every offending key."""
+    if args is not None and not isinstance(args, dict):
+        raise InvalidRequestError(f"application args must be a mapping, got {type(args).__name__}")
+    try:
+        return AppArgs.model_validate(args or {})
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(x) for x in err.get("loc", ())) or "args"
+            msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            if err.get("type") == "extra_forbidden":
+                msg = f"unknown argument; known: {', '.join(sorted(AppArgs.model_fields))}"
+            problems.append(f"{where}: {msg}")
+        param = next((str(err["loc"][0]) for err in e.errors() if err.get("loc")), None)
+        raise InvalidRequestError("invalid MorphServe application args: " + "; ".join(problems), param=param) from None

@@ -1,0 +1,39 @@
+"""Ray Serve autoscaling of the engine replicas, fed by the morph controller's scale-out signal.
+
+Ray Serve 2.60 lets a deployment publish its own numbers through a `record_autoscaling_stats()`
+method (a dict of floats, collected every `metrics_interval_s`) and lets `autoscaling_config.policy`
+name a function `(AutoscalingContext) -> (desired replicas, policy state)` that reads them from
+`ctx.aggregated_metrics[name][replica_id]`. Ray wraps a custom policy with the usual
+min/max_replicas bounds, up/downscale delays and scaling factors.
+
+`morph_aware_policy` is Ray's default queue-length policy (ongoing requests per replica against
+`target_ongoing_requests`), raised by one replica for every engine replica whose latest directive
+asks to scale out: a replica that is already fully morphed and still under pressure cannot help
+itself any more, whatever its queue says.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+SCALE_OUT_METRIC = "morphserve_scale_out"  # 1.0 while the replica's directive says scale_out
+WAITING_METRIC = "morphserve_num_waiting"  # the engine's own waiting queue (informational)
+KV_USAGE_METRIC = "morphserve_kv_usage"
+POLICY_IMPORT_PATH = "deployments.autoscaling:morph_aware_policy"
+
+
+def morph_aware_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
+    from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+
+    desired, state = replica_queue_length_autoscaling_policy(ctx)
+    custom = ctx.aggregated_metrics or {}
+    asking = sum(1 for value in custom.get(SCALE_OUT_METRIC, {}).values() if value >= 0.5)
+    if asking:
+        desired = max(desired, ctx.current_num_replicas + asking)
+    return desired, state
+
+
+def with_morph_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:
+    """The user's autoscaling config, with the morph-aware policy unless it names its own."""
+    config = dict(autoscaling_config)
+    config.setdefault("policy", {"policy_function": POLICY_IMPORT_PATH})
+    return config

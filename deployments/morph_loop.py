@@ -1,0 +1,217 @@
+"""MorphLoop: an engine replica's control loop, and the operator's pins on it.
+
+Every `interval_s` it takes a fresh pressure snapshot and morph state at a step boundary (so the
+snapshot's clock moves on while the replica idles, and the policy can see a quiet period), reports
+them through the ControllerClient (the fleet's directive, or the local policy's while the controller
+is unreachable), turns the directive into one SetQuantizedTarget unless it is a no-op, hands that
+to the engine, and updates the replica's metrics.
+
+Operator pins (POST /admin/morph) override the directive:
+  * quantized_layers=N (+ precision): hold exactly N layers low, whatever the pressure;
+  * morphing_enabled=False: hold 0 (every layer is restored as soon as live blocks allow);
+  * morphing_enabled=True: drop both pins, follow the policy again;
+  * mode: switch the fleet's policy mode (the controller's set_mode), re-asserted after a
+    controller restart, which would otherwise bring back the configured mode.
+No Ray Serve here: tests drive it with a fake engine and a fake controller handle.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from controller.client import ControllerClient
+from controller.directive import Directive
+from deployments.engine_client import AdminUpdate
+from deployments.metrics import ServeMetrics
+from engine.errors import InvalidRequestError
+from engine.morph.actions import ActionResult, MorphState, SetQuantizedTarget
+from engine.precision import Precision
+from engine.pressure import PressureSnapshot
+
+log = logging.getLogger("morphserve.replica")
+SetFleetMode = Callable[[str], Awaitable[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdminPins:
+    mode: str | None = None  # the fleet mode this replica keeps asserting
+    morphing_enabled: bool = True
+    quantized_layers: int | None = None  # a fixed count, instead of the policy's
+    precision: Precision | None = None
+
+    def updated(self, update: AdminUpdate, default_precision: Precision) -> "AdminPins":
+        pins = self
+        if update.quantized_layers is not None and update.morphing_enabled is False:
+            raise InvalidRequestError("quantized_layers needs morphing on; drop morphing_enabled=false",
+                                      param="quantized_layers")
+        if update.mode is not None:
+            pins = dataclasses.replace(pins, mode=update.mode)
+        if update.morphing_enabled is not None:  # either way the fixed count is dropped
+            pins = dataclasses.replace(pins, morphing_enabled=update.morphing_enabled, quantized_layers=None,
+                                       precision=None)
+        if update.quantized_layers is not None:
+            precision = Precision(update.precision) if update.precision else default_precision
+            pins = dataclasses.replace(pins, morphing_enabled=True, quantized_layers=update.quantized_layers,
+                                       precision=precision)
+        return pins
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopRecord:
+    """What the latest round saw and did (admin status, tests)."""
+    time: float
+    directive: Directive
+    action: SetQuantizedTarget | None
+    result: ActionResult | None
+
+
+class MorphLoop:
+    def __init__(self, engine: Any, client: ControllerClient, metrics: ServeMetrics, *, interval_s: float = 0.25,
+                 max_layers_per_step: int = 2, set_fleet_mode: SetFleetMode | None = None):
+        """`engine`: an AsyncLLMEngine (run_at_step_boundary, apply)."""
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.engine, self.client, self.metrics = engine, client, metrics
+        self.interval_s, self.max_layers_per_step = interval_s, max_layers_per_step
+        self._set_fleet_mode = set_fleet_mode
+        self.pins = AdminPins()
+        self.last: LoopRecord | None = None
+        self.rounds = 0
+        self.action_counts: dict[str, int] = {}  # ActionResult status -> how many
+        self._task: asyncio.Task | None = None
+        self._after: MorphState | None = None  # the state right after the last round
+        self._rejected: SetQuantizedTarget | None = None
+
+    # -- the loop ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="morphserve-morph-loop")
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad round must not end the loop (or the replica)
+                log.exception("morph loop round failed; trying again next interval")
+            # A fixed cadence: the next report is due interval_s after this one started.
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def observe(self) -> tuple[PressureSnapshot, MorphState]:
+        """A fresh snapshot and state, read together on the stepping thread between two steps."""
+        return await self.engine.run_at_step_boundary(lambda e: (e.pressure(), e.morph_state()))
+
+    async def run_once(self) -> LoopRecord:
+        snapshot, state = await self.observe()
+        self._count_moves_between_rounds(state)
+        self.metrics.set_pressure(snapshot)
+        self.metrics.set_morph_state(state)
+        directive = await self.client.report(snapshot, state)
+        self.metrics.set_controller_reachable(self.client.reachable)
+        await self._assert_mode(directive)
+        action = self.action_for(directive, state)
+        result = None
+        if action is not None:
+            result = await self.engine.apply(action)
+            # A target reached over several steps answers "waiting" for the layers it did move.
+            moved = result.status == "waiting" and bool(result.layers_changed or result.kv_blocks_delta)
+            self.metrics.count_action(dataclasses.replace(result, status="done") if moved else result)
+            self.action_counts[result.status] = self.action_counts.get(result.status, 0) + 1
+            if result.status == "rejected":
+                self._rejected = action
+                log.warning("engine rejected %s: %s", action, result.message)
+            _, state = await self.observe()
+        self._after = state
+        self.rounds += 1
+        self.last = LoopRecord(snapshot.time, directive, action, result)
+        return self.last
+
+    def _count_moves_between_rounds(self, state: MorphState) -> None:
+        """Count what the engine did on its own since the last round: an unfinished target keeps
+        moving `max_layers_per_step` layers at every step boundary. (Latencies come only from the
+        results of the actions this loop applied; these moves add to the counters alone.)"""
+        before, self._after = self._after, None
+        if before is None or len(before.layer_precisions) != len(state.layer_precisions):
+            return
+        tags = {"model_name": self.metrics.model_name}
+        pairs = list(zip(before.layer_precisions, state.layer_precisions))
+        downs = sum(1 for a, b in pairs if b.bits < a.bits)
+        ups = sum(1 for a, b in pairs if b.bits > a.bits)
+        for kind, n in (("swap_down", downs), ("restore", ups)):
+            if n:
+                self.metrics.actions.inc(n, {**tags, "kind": kind})
+        grown = state.kv_capacity_blocks - before.kv_capacity_blocks
+        if grown:
+            self.metrics.actions.inc(1, {**tags, "kind": "kv_grow" if grown > 0 else "kv_shrink"})
+
+    def action_for(self, directive: Directive, state: MorphState) -> SetQuantizedTarget | None:
+        """The directive (or the operator's pin) as an engine action; None when nothing would change."""
+        pins = self.pins
+        if not pins.morphing_enabled:
+            directive = dataclasses.replace(directive, target_quantized=0, reason="morphing disabled by the operator")
+        elif pins.quantized_layers is not None:
+            directive = dataclasses.replace(directive, target_quantized=pins.quantized_layers,
+                                            precision=pins.precision or directive.precision,
+                                            reason="quantized layers pinned by the operator")
+        if directive.is_noop_for(state):
+            return None
+        action = directive.to_action(self.max_layers_per_step)
+        if action == self._rejected:  # the engine said it cannot; do not ask again every round
+            return None
+        # Sent again even when pending: the engine only works on a pending target at step
+        # boundaries, and an idle engine takes no steps, so restores after a burst come from here.
+        return action
+
+    async def _assert_mode(self, directive: Directive) -> None:
+        wanted = self.pins.mode
+        if wanted is None or directive.source != "controller" or directive.mode == wanted:
+            return
+        if self._set_fleet_mode is not None:
+            try:
+                await asyncio.wait_for(self._set_fleet_mode(wanted), self.client.timeout_s)
+            except Exception as e:  # the controller went away again: the next round retries
+                log.warning("could not set the fleet mode to %s: %s", wanted, e)
+
+    # -- the operator ------------------------------------------------------------------------
+    async def update(self, update: AdminUpdate) -> None:
+        default = self.last.directive.precision if self.last else Precision.INT4
+        self.pins = self.pins.updated(update, default)
+        if update.mode is not None and self._set_fleet_mode is not None:
+            try:
+                await asyncio.wait_for(self._set_fleet_mode(update.mode), self.client.timeout_s)
+            except Exception as e:  # kept as a pin; asserted again once the controller answers
+                log.warning("fleet controller did not take mode %s yet: %s", update.mode, e)
+
+    def status(self) -> dict[str, Any]:
+        last = self.last
+        return {
+            "pins": {"mode": self.pins.mode, "morphing_enabled": self.pins.morphing_enabled,
+                     "quantized_layers": self.pins.quantized_layers,
+                     "precision": self.pins.precision.value if self.pins.precision else None},
+            "controller": {"reachable": self.client.reachable, "last_error": self.client.last_error,
+                           "fallbacks": self.client.fallbacks},
+            "directive": last.directive.summary() if last else None,
+            "last_action": None if last is None or last.action is None else {
+                "count": last.action.count, "precision": last.action.precision.value,
+                "status": last.result.status if last.result else None,
+                "message": last.result.message if last.result else ""},
+            "rounds": self.rounds,
+            "action_results": dict(self.action_counts),
+        }

@@ -1,0 +1,173 @@
+"""LLMServer: the engine replica deployment. It owns one AsyncLLMEngine and runs its MorphLoop.
+
+The ingress reaches it through a DeploymentHandle (HandleEngineClient); its public methods have the
+EngineClient's names. `generate` is a streaming method: engine errors become a final chunk with
+`error` set (they do not survive the Ray boundary as exceptions), and a cancelled stream (client
+gone) aborts the engine request at once. `record_autoscaling_stats` feeds Ray Serve's autoscaler
+(deployments/autoscaling.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from controller.client import ControllerClient
+from deployments.app_args import AppArgs
+from deployments.autoscaling import KV_USAGE_METRIC, SCALE_OUT_METRIC, WAITING_METRIC
+from deployments.engine_client import (AdminUpdate, GenerateChunk, GenerateRequest, ModelInfo, chunk_from_output,
+                                       stream_with_error_chunks)
+from deployments.metrics import ServeMetrics
+from deployments.morph_loop import MorphLoop
+from engine.async_engine import AsyncLLMEngine
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("morphserve.replica")
+HEALTH_TIMEOUT_S = 10.0
+
+
+def resolve_device(wanted: str) -> str:
+    if wanted != "auto":
+        return wanted
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def queue_time_s(output: RequestOutput) -> float | None:
+    """Arrival to first schedule. The engine reports arrival and first-token times; until it also
+    reports when the request was first scheduled, the first token stands in (an upper bound that
+    includes the prefill)."""
+    scheduled = getattr(output, "first_scheduled_time", None) or output.first_token_time
+    return None if scheduled is None else max(0.0, scheduled - output.arrival_time)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (tests constructing the class directly)
+        return f"local-{secrets.token_hex(4)}"
+
+
+class LLMServer:
+    async def __init__(self, args: AppArgs | dict):
+        self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+        self.replica_id = _replica_id()
+        config = self.args.engine_config(resolve_device(self.args.device))
+        started = time.monotonic()
+        # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
+        self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
+        self.load_seconds = time.monotonic() - started
+        self.created = int(time.time())
+        self.metrics = ServeMetrics(self.engine.model_name)
+        client = ControllerClient(self.replica_id, self.args.policy_config(), name=self.args.controller_name,
+                                  namespace=self.args.controller_namespace, timeout_s=self.args.controller_timeout_s,
+                                  create_with=self.args.fleet_config())
+        self.morph_loop = MorphLoop(self.engine, client, self.metrics, interval_s=self.args.report_interval_s,
+                                    max_layers_per_step=self.args.max_layers_per_step,
+                                    set_fleet_mode=self._set_fleet_mode)
+        self.morph_loop.start()
+        log.info("replica %s serves %s (loaded in %.1f s)", self.replica_id, self.engine.model_name, self.load_seconds)
+
+    # -- EngineClient methods (called through the DeploymentHandle) --------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        async for chunk in stream_with_error_chunks(request, self._generate(request)):
+            yield chunk
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        params = SamplingParams.create(**request.sampling_kwargs())
+        # A client may reuse an x-request-id for two requests at once; the engine must never see both.
+        engine_id = f"{request.request_id}-{secrets.token_hex(4)}"
+        stream = self.engine.generate(engine_id, list(request.prompt_token_ids), params)
+        try:
+            async for output in stream:
+                chunk = dataclasses.replace(chunk_from_output(output), request_id=request.request_id)
+                if output.finished:
+                    waited = queue_time_s(output)
+                    if waited is not None:
+                        self.metrics.observe_queue_time(waited)
+                        chunk = dataclasses.replace(chunk, queue_time_s=round(waited, 6))
+                yield chunk
+        finally:
+            await stream.aclose()  # aborts the engine request when we stop early
+
+    async def model_info(self) -> ModelInfo:
+        tokenizer = self.engine.tokenizer
+        eos = tuple(sorted(set(self.engine.model_config.eos_token_ids) |
+                           set(tokenizer.eos_token_ids if tokenizer is not None else ())))
+        return ModelInfo(self.engine.model_name, self.engine.max_model_len, self.engine.model_config.vocab_size,
+                         eos, self.created)
+
+    def _tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send /v1/completions prompts as token ids",
+                                      param="prompt")
+        return self.engine.tokenizer
+
+    async def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer().encode(text))
+
+    async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self._tokenizer()
+        return list(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+
+    async def check_health(self) -> None:
+        """Also Ray Serve's health check: the stepping thread must answer at a step boundary."""
+        try:
+            await asyncio.wait_for(self.engine.run_at_step_boundary(lambda engine: None), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"the engine did not reach a step boundary within {HEALTH_TIMEOUT_S} s") from None
+
+    async def admin_status(self) -> dict[str, Any]:
+        snapshot, state = await self.morph_loop.observe()
+        return {
+            "replica_id": self.replica_id, "model": self.engine.model_name,
+            "mode": self._mode(), "morphing_enabled": self.morph_loop.pins.morphing_enabled,
+            "morph_state": {"num_layers": len(state.layer_precisions), "num_quantized": state.num_quantized,
+                            "precisions": [p.value for p in state.layer_precisions],
+                            "swap_order": list(state.swap_order), "swap_order_source": state.swap_order_source,
+                            "kv_capacity_blocks": state.kv_capacity_blocks, "kv_max_blocks": state.kv_max_blocks,
+                            "pending": len(state.pending), "engine_morphing_enabled": state.morphing_enabled},
+            "pressure": {"kv_usage": round(snapshot.kv_usage, 4), "kv_used_blocks": snapshot.kv_used_blocks,
+                         "num_running": snapshot.num_running, "num_waiting": snapshot.num_waiting,
+                         "queue_delay_s": snapshot.queue_delay_s, "preemptions_total": snapshot.preemptions_total,
+                         "memory": dataclasses.asdict(snapshot.ledger)},
+            "load_seconds": round(self.load_seconds, 3),
+            **self.morph_loop.status(),
+        }
+
+    async def admin_set(self, update: AdminUpdate) -> dict[str, Any]:
+        await self.morph_loop.update(update)
+        return await self.admin_status()
+
+    def _mode(self) -> str:
+        last = self.morph_loop.last
+        return self.morph_loop.pins.mode or (last.directive.mode if last else self.args.mode)
+
+    async def _set_fleet_mode(self, mode: str) -> None:
+        import ray
+
+        actor = await asyncio.to_thread(ray.get_actor, self.args.controller_name,
+                                        namespace=self.args.controller_namespace)
+        await actor.set_mode.remote(mode)
+
+    # -- Ray Serve hooks ---------------------------------------------------------------------
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        last = self.morph_loop.last
+        snapshot = self.engine.pressure()
+        return {SCALE_OUT_METRIC: 1.0 if last is not None and last.directive.scale_out else 0.0,
+                WAITING_METRIC: float(snapshot.num_waiting), KV_USAGE_METRIC: float(snapshot.kv_usage)}
+
+    def __del__(self) -> None:
+        # Ray Serve calls this when the replica stops; a half-built replica may lack both.
+        if getattr(self, "morph_loop", None) is not None:
+            self.morph_loop.cancel()
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown(timeout_s=10.0)

@@ -1,0 +1,103 @@
+"""Shared by the end-to-end Serve tests: one local Ray cluster per test module, the app deployed on
+127.0.0.1, and small HTTP helpers. Every wait is a poll with a deadline."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Iterator
+
+CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def until(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.1) -> Any:
+    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(every_s)  # poll interval, not a synchronisation
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
+
+
+@contextlib.contextmanager
+def ray_cluster(include_dashboard: bool = False) -> Iterator[Any]:
+    """A local Ray cluster on 127.0.0.1 with a known metrics export port; shut down at the end
+    (a cluster some other module left running is shared and left to its owner)."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(address="local", num_cpus=2, include_dashboard=include_dashboard, _node_ip_address="127.0.0.1",
+             _metrics_export_port=free_port(), log_to_driver=False,
+             # Replicas push metrics to the agent every 2 s instead of 10 s: tests see them sooner.
+             _system_config={"metrics_report_interval_ms": 2000})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def metrics_export_port(ray) -> int:
+    node = next(n for n in ray.nodes() if n["Alive"])
+    return int(node["MetricsExportPort"])
+
+
+@contextlib.contextmanager
+def deployed(args: dict[str, Any], name: str = "morphserve") -> Iterator[str]:
+    """The application for `args` running behind Serve's proxy on 127.0.0.1; yields its base URL."""
+    from ray import serve
+
+    from deployments import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        until(lambda: http("GET", url + "/health")[0] == 200, 300, "the app to become healthy", every_s=0.5)
+        yield url
+    finally:
+        serve.shutdown()
+
+
+def kill_controller(ray, name: str, namespace: str) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+
+
+def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+         timeout_s: float = 120.0) -> tuple[int, Any]:
+    """(status, parsed JSON body or text) without raising on 4xx/5xx; (0, reason) when unreachable."""
+    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+        return 0, str(err)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def admin_status(url: str, token: str) -> dict:
+    status, body = http("GET", url + "/admin/morph", headers={"Authorization": f"Bearer {token}"})
+    assert status == 200, body
+    return body

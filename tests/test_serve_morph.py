@@ -1,0 +1,336 @@
+"""Morphing through the Serve application: the replica's MorphLoop with a fake engine and fake
+controller handles (fast), then the real app on a local Ray cluster with the real default model: a
+burst under a small memory budget swaps layers down, an idle period restores them all, and killing
+the fleet controller mid-traffic leaves the replica serving on its local policy until it is back."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import pytest
+
+from controller.client import ControllerClient
+from controller.directive import Directive
+from controller.policy_config import PolicyConfig
+from deployments.engine_client import AdminUpdate
+from deployments.metrics import InMemoryBackend, ServeMetrics
+from deployments.morph_loop import MorphLoop
+from engine.errors import InvalidRequestError
+from engine.morph.actions import ActionResult, MorphState, SetQuantizedTarget
+from engine.precision import Precision
+from engine.pressure import LedgerFigures, PressureSnapshot
+
+NUM_LAYERS, BASE_BLOCKS, BLOCKS_PER_LAYER = 8, 40, 5
+FAST_POLICY = {"enter_after": 2, "relax_after": 3, "history_len": 16}
+
+
+class FakeEngine:
+    """Pressure as set by the test; SetQuantizedTarget applied at once (swap order: front-to-back)."""
+
+    def __init__(self):
+        self.kv_usage, self.queue_delay, self.clock = 0.0, 0.0, 0.0
+        self.precisions = [Precision.BF16] * NUM_LAYERS
+        self.applied: list[SetQuantizedTarget] = []
+        self.pending: tuple = ()
+
+    def pressure(self) -> PressureSnapshot:
+        self.clock += 0.1
+        cap = self.state().kv_capacity_blocks
+        return PressureSnapshot(time=self.clock, step=int(self.clock * 10), kv_used_blocks=round(self.kv_usage * cap),
+                                kv_capacity_blocks=cap, kv_max_blocks=BASE_BLOCKS + NUM_LAYERS * BLOCKS_PER_LAYER,
+                                num_running=1, num_waiting=0, queue_delay_s=self.queue_delay, ttft_recent_s=None,
+                                tpot_recent_s=None, throughput_tok_s=0.0, preemptions_total=0,
+                                ledger=LedgerFigures(budget=100, weights=50, kv=40, reserve=5))
+
+    def state(self) -> MorphState:
+        low = sum(1 for p in self.precisions if not p.is_full)
+        return MorphState(tuple(self.precisions), Precision.BF16, tuple(range(NUM_LAYERS)), "front-to-back",
+                          BASE_BLOCKS + BLOCKS_PER_LAYER * low, BASE_BLOCKS + NUM_LAYERS * BLOCKS_PER_LAYER,
+                          pending=self.pending)
+
+    morph_state = state
+
+    async def run_at_step_boundary(self, fn):
+        return fn(self)
+
+    async def apply(self, action: SetQuantizedTarget) -> ActionResult:
+        self.applied.append(action)
+        before = self.state()
+        self.precisions = [action.precision if i < action.count else Precision.BF16 for i in range(NUM_LAYERS)]
+        changed = tuple(i for i, (a, b) in enumerate(zip(before.layer_precisions, self.precisions)) if a != b)
+        blocks = self.state().kv_capacity_blocks - before.kv_capacity_blocks
+        return ActionResult(action, "done", changed, weight_bytes_delta=-blocks * 10, kv_blocks_delta=blocks,
+                            swap_seconds=0.01, resize_seconds=0.001)
+
+
+class FakeController:
+    """A controller handle: `report.remote(...)` answers with `self.directive` (or the mode it was set to)."""
+
+    def __init__(self, target: int = 0, mode: str = "balanced"):
+        self.target, self.mode, self.modes_set = target, mode, []
+        outer = self
+
+        class Method:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def remote(self, *args):
+                async def call():
+                    return self.fn(*args)
+                return call()
+
+        self.report = Method(lambda rid, snap, state: Directive(outer.target, Precision.INT4, outer.mode, "fake",
+                                                                "controller"))
+
+
+def make_loop(engine: FakeEngine, resolve, set_fleet_mode=None) -> tuple[MorphLoop, ServeMetrics]:
+    metrics = ServeMetrics("fake", InMemoryBackend())
+    client = ControllerClient("replica-1", PolicyConfig(mode="performance", **FAST_POLICY), timeout_s=0.5,
+                              resolve=resolve)
+    return MorphLoop(engine, client, metrics, interval_s=0.1, max_layers_per_step=2,
+                     set_fleet_mode=set_fleet_mode), metrics
+
+
+def unreachable():
+    raise ConnectionError("no controller in this test")
+
+
+def test_local_policy_swaps_down_under_pressure_and_restores_when_quiet():
+    engine = FakeEngine()
+    loop, metrics = make_loop(engine, unreachable)
+
+    async def rounds(n: int) -> None:
+        for _ in range(n):
+            await loop.run_once()
+
+    engine.kv_usage = 0.95
+    asyncio.run(rounds(2))
+    assert engine.applied == [SetQuantizedTarget(4, Precision.INT4, 2)]  # performance: 4 layers per action
+    assert loop.last.directive.source == "local" and metrics.reachable.value(model_name="fake") == 0.0
+    asyncio.run(rounds(1))
+    assert metrics.quantized.value(model_name="fake", precision="int4") == 4
+    assert metrics.actions.value(model_name="fake", kind="swap_down") == 4
+    assert metrics.actions.value(model_name="fake", kind="kv_grow") == 1
+    engine.kv_usage = 0.1
+    asyncio.run(rounds(6))
+    assert engine.state().num_quantized == 0
+    assert metrics.actions.value(model_name="fake", kind="restore") == 4
+    assert metrics.kv_capacity.value(model_name="fake") == BASE_BLOCKS
+
+
+def test_controller_directive_is_applied_until_reached_and_a_rejection_is_not_repeated():
+    engine, controller = FakeEngine(), FakeController(target=3)
+    loop, metrics = make_loop(engine, lambda: controller)
+    asyncio.run(loop.run_once())
+    asyncio.run(loop.run_once())  # already at the target: nothing to send
+    assert engine.applied == [SetQuantizedTarget(3, Precision.INT4, 2)]
+    assert metrics.reachable.value(model_name="fake") == 1.0
+
+    # The engine moves a pending target only at step boundaries (none while idle): send it again.
+    real_apply, moved = engine.apply, []
+
+    async def one_layer_per_call(action):
+        engine.applied.append(action)
+        n = engine.state().num_quantized + 1
+        engine.precisions = [action.precision if i < n else Precision.BF16 for i in range(NUM_LAYERS)]
+        moved.append(n)
+        return ActionResult(action, "waiting" if n < action.count else "done", (n - 1,), -10, BLOCKS_PER_LAYER)
+
+    engine.apply = one_layer_per_call
+    controller.target = 5
+    for _ in range(3):
+        asyncio.run(loop.run_once())
+    assert moved == [4, 5] and engine.state().num_quantized == 5
+    assert metrics.actions.value(model_name="fake", kind="swap_down") == 5  # 3, then 1 + 1 ("waiting" counts)
+
+    async def reject(action):
+        engine.applied.append(action)
+        return ActionResult(action, "rejected", message="no")
+
+    engine.apply, controller.target = reject, 6
+    applied = len(engine.applied)
+    for _ in range(3):
+        asyncio.run(loop.run_once())
+    assert len(engine.applied) == applied + 1
+    engine.apply = real_apply
+
+
+def test_moves_the_engine_makes_between_rounds_are_counted():
+    engine, controller = FakeEngine(), FakeController(target=0)
+    loop, metrics = make_loop(engine, lambda: controller)
+    asyncio.run(loop.run_once())
+    engine.precisions[:2] = [Precision.INT4, Precision.INT4]  # a pending target's steps, not ours
+    controller.target = 2
+    asyncio.run(loop.run_once())
+    assert metrics.actions.value(model_name="fake", kind="swap_down") == 2
+    assert metrics.actions.value(model_name="fake", kind="kv_grow") == 1
+
+
+def test_operator_pins_override_the_directive():
+    engine, controller = FakeEngine(), FakeController(target=2)
+    modes: list[str] = []
+
+    async def set_mode(mode: str) -> None:
+        modes.append(mode)
+
+    loop, _ = make_loop(engine, lambda: controller, set_mode)
+    asyncio.run(loop.run_once())
+    asyncio.run(loop.update(AdminUpdate(quantized_layers=6, precision="int8")))
+    asyncio.run(loop.run_once())
+    assert engine.state().count(Precision.INT8) == 6 and loop.status()["pins"]["quantized_layers"] == 6
+    asyncio.run(loop.update(AdminUpdate(morphing_enabled=False)))
+    asyncio.run(loop.run_once())
+    assert engine.state().num_quantized == 0
+    asyncio.run(loop.update(AdminUpdate(morphing_enabled=True, mode="accuracy")))
+    assert modes == ["accuracy"]
+    asyncio.run(loop.run_once())  # the controller still says "balanced": the pin is asserted again
+    assert modes == ["accuracy", "accuracy"] and engine.state().num_quantized == 2
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(loop.update(AdminUpdate(morphing_enabled=False, quantized_layers=2)))
+
+
+def test_a_failing_round_does_not_stop_the_loop():
+    engine = FakeEngine()
+    calls = []
+
+    async def flaky(fn):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return fn(engine)
+
+    engine.run_at_step_boundary = flaky
+    loop, _ = make_loop(engine, unreachable)
+    done = threading.Event()
+
+    async def main():
+        loop.start()
+        while loop.rounds < 2:
+            await asyncio.sleep(0.01)  # poll the loop's progress
+        await loop.stop()
+        done.set()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert done.is_set() and len(calls) >= 3
+
+
+# ---- the real application ---------------------------------------------------------------------
+# Budget: the weights (~271 MB bf16) + the activation reserve + a few dozen KV blocks (0.37 MB each),
+# max_num_seqs=4 so that a burst of 12 requests waits and the queue delay builds.
+ADMIN = "admin-morph-test"
+CONTROLLER = {"controller_name": "test-serve-morph-controller", "controller_namespace": "morphserve-test-morph"}
+MORPH_ARGS = {
+    "admin_token": ADMIN, "memory_budget": "300MiB", "mode": "performance", "report_interval_s": 0.1,
+    "controller_timeout_s": 0.3, "max_layers_per_step": 4,
+    "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
+    "engine": {"max_model_len": 512, "max_num_seqs": 4, "max_num_batched_tokens": 128}, **CONTROLLER,
+}
+
+
+@pytest.fixture(scope="module")
+def morph_app():
+    from tests.serve_helpers import deployed, kill_controller, ray_cluster
+
+    with ray_cluster() as ray:
+        try:
+            with deployed(MORPH_ARGS) as url:
+                yield ray, url
+        finally:
+            kill_controller(ray, CONTROLLER["controller_name"], CONTROLLER["controller_namespace"])
+
+
+def _chat(url: str, i: int, max_tokens: int = 24) -> tuple[int, dict]:
+    from tests.serve_helpers import http
+
+    return http("POST", url + "/v1/chat/completions",
+                {"model": "SmolLM2-135M-Instruct", "max_tokens": max_tokens, "ignore_eos": True,
+                 "messages": [{"role": "user", "content": f"Tell me a story about the number {i}."}]})
+
+
+class Traffic:
+    """Requests sent continuously from worker threads until stopped; every result is kept."""
+
+    def __init__(self, url: str, workers: int, max_tokens: int = 16):
+        self.url, self.max_tokens, self.results, self._stop = url, max_tokens, [], threading.Event()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self._futures = [self._pool.submit(self._run, w) for w in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            self.results.append(_chat(self.url, worker * 1000 + i, self.max_tokens))
+            i += 1
+
+    def stop(self) -> list[tuple[int, dict]]:
+        self._stop.set()
+        for f in self._futures:
+            f.result(timeout=300)
+        self._pool.shutdown()
+        return self.results
+
+
+@pytest.mark.slow
+def test_a_burst_swaps_layers_down_and_idle_restores_them(morph_app):
+    from tests.serve_helpers import admin_status, http, metrics_export_port, until
+
+    ray, url = morph_app
+    start = admin_status(url, ADMIN)
+    assert start["morph_state"]["num_quantized"] == 0 and start["morph_state"]["engine_morphing_enabled"]
+    base_blocks = start["morph_state"]["kv_capacity_blocks"]
+    traffic = Traffic(url, workers=12, max_tokens=24)
+    try:
+        peak = until(lambda: (lambda s: s if s["morph_state"]["num_quantized"] > 0 else None)(admin_status(url, ADMIN)),
+                     120, "a layer swap under the burst")
+    finally:
+        results = traffic.stop()
+    assert peak["morph_state"]["kv_capacity_blocks"] > base_blocks  # freed weight bytes went to the KV cache
+    assert peak["action_results"].get("done", 0) >= 1
+    assert results and all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:3]
+    assert all(body["choices"][0]["message"]["content"] for _, body in results)
+    restored = until(lambda: (lambda s: s if s["morph_state"]["num_quantized"] == 0 else None)(admin_status(url, ADMIN)),
+                     120, "every layer restored after the burst")
+    assert set(restored["morph_state"]["precisions"]) == {"bf16"}
+    assert restored["morph_state"]["kv_capacity_blocks"] == base_blocks
+    assert _chat(url, 1)[0] == 200
+    # The same story in the replica's metrics, as Ray's metrics agent exports them.
+    agent = f"http://127.0.0.1:{metrics_export_port(ray)}/metrics"
+    until(lambda: all(_counter(http("GET", agent)[1], "ray_morphserve_morph_actions_total", kind) > 0
+                      for kind in ("swap_down", "restore", "kv_grow", "kv_shrink")), 60,
+          "swap and resize counters in the exported metrics", every_s=1.0)
+
+
+def _counter(text: str, name: str, kind: str) -> float:
+    """Sum of one counter's samples with kind=<kind> in Prometheus text format."""
+    total = 0.0
+    for line in str(text).splitlines():
+        if line.startswith(name + "{") and f'kind="{kind}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.slow
+def test_killing_the_controller_mid_traffic_falls_back_to_the_local_policy(morph_app):
+    from tests.serve_helpers import admin_status, until
+
+    ray, url = morph_app
+    until(lambda: admin_status(url, ADMIN)["controller"]["reachable"], 60, "the controller to answer")
+    replica_id = admin_status(url, ADMIN)["replica_id"]
+    actor = ray.get_actor(CONTROLLER["controller_name"], namespace=CONTROLLER["controller_namespace"])
+    before = ray.get(actor.status.remote(), timeout=30)
+    assert replica_id in before["replicas"]
+    traffic = Traffic(url, workers=3, max_tokens=8)
+    try:
+        ray.kill(actor, no_restart=False)
+        local = until(lambda: (lambda s: s if not s["controller"]["reachable"] else None)(admin_status(url, ADMIN)),
+                      60, "the replica to notice the controller is gone", every_s=0.05)
+        assert local["directive"]["source"] == "local"
+        until(lambda: admin_status(url, ADMIN)["controller"]["reachable"], 120, "the restarted controller")
+    finally:
+        results = traffic.stop()
+    assert results and all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:3]
+    after = ray.get(ray.get_actor(CONTROLLER["controller_name"], namespace=CONTROLLER["controller_namespace"])
+                    .status.remote(), timeout=30)
+    assert after["instance_id"] != before["instance_id"]
+    assert replica_id in after["replicas"] and after["replicas"][replica_id]["reports"] >= 1
+    assert admin_status(url, ADMIN)["directive"]["source"] == "controller"
