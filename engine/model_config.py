@@ -13,6 +13,13 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+def _scaling_of(rope_parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """transformers >= 5 writes RoPE scaling into `rope_parameters`; plain RoPE there means no scaling."""
+    if not rope_parameters or rope_parameters.get("rope_type", "default") == "default":
+        return None
+    return {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama" | "mistral" | "qwen2"
@@ -73,7 +80,7 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-                rope_scaling=d.get("rope_scaling"),
+                rope_scaling=d.get("rope_scaling") or _scaling_of(d.get("rope_parameters")),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
             )

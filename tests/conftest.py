@@ -4,8 +4,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Several processes (pytest, Ray workers, engine threads) share 2 cores in these tests: OpenMP threads
+# that spin while waiting for each other turn a 70 ms decode step into seconds. Must precede `import torch`.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests share 2 cores with whatever else runs; keep torch from oversubscribing them.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,0 +1,116 @@
+"""Paged attention over the block-major KV storage.
+
+One step runs a flat batch of T tokens (every scheduled chunk concatenated). The runner orders it
+
+    rows [0, num_decodes)        one-token chunks (decodes), attended together in one batched call
+    rows [num_decodes, T)        multi-token chunks (prefill), each attended on its own
+
+and builds an `AttentionMetadata` once per step; every layer reuses it. Per layer:
+
+  1. write K/V of all T new tokens into their slots:   k_cache[block, offset] = k   (one index_put_)
+  2. decodes: gather each request's blocks by its block table into a padded [B, S, Hkv, D],
+     mask the padding, one SDPA call; GQA by folding each kv head's group of query heads into
+     the query-length axis (a kv head serves num_heads // num_kv_heads q heads)
+  3. prefill chunks: a chunk at start_pos 0 attends causally to its own fresh K/V (no gather); a later
+     chunk (chunked prefill) gathers its context [0, end_pos) from the cache and masks causally with
+     its offset: query at position start_pos + i sees keys at positions <= start_pos + i.
+
+Cache views (k_cache, v_cache: [max_blocks, block_size, Hkv, D]) are strided slices of one tensor, so
+they are indexed by (block, offset) rather than flattened; they may move after a KV resize, which is
+why they are passed in every step and never stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """The one-token chunks of a step; they are rows [0, num_tokens) of the flat batch."""
+    num_tokens: int
+    block_tables: torch.Tensor  # [B, max_blocks_per_req] long, padded with a valid id (masked out)
+    key_mask: torch.Tensor  # [B, 1, 1, max_blocks_per_req * block_size] bool: key position < context length
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """One multi-token chunk: rows [token_start, token_end) of the flat batch."""
+    token_start: int
+    token_end: int
+    start_pos: int
+    block_ids: torch.Tensor | None  # [nb] long, blocks covering [0, end_pos); None when start_pos == 0
+    mask: torch.Tensor | None  # [n, end_pos] bool causal mask with offset; None when start_pos == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    write_blocks: torch.Tensor  # [T] long: block id of each new token's slot
+    write_offsets: torch.Tensor  # [T] long: offset inside that block
+    decode: DecodeBatch | None
+    prefills: tuple[PrefillChunk, ...]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """k, v: [T, Hkv, D] -> their slots in the cache (in place, through the strided views)."""
+    index = (meta.write_blocks, meta.write_offsets)
+    k_cache.index_put_(index, k.to(k_cache.dtype))
+    v_cache.index_put_(index, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, Hkv, D], block_ids [..., nb] -> [..., nb * bs, Hkv, D]."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))
+    return blocks.reshape(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      d: DecodeBatch, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] -> [B, Hq, D]."""
+    b, hq, dim = q.shape
+    keys = _gather(k_cache, d.block_tables).transpose(1, 2)  # [B, Hkv, S, D]
+    values = _gather(v_cache, d.block_tables).transpose(1, 2)
+    hkv = keys.shape[1]
+    # GQA by folding: the hq // hkv query heads that share a kv head become that head's "query rows"
+    # (q head h uses kv head h // group, as in HF). One query token has no causal structure, so this is
+    # exact, and it is several times faster on CPU than enable_gqa with a one-row query.
+    q = q.view(b, hkv, hq // hkv, dim)  # [B, Hkv, group, D]
+    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
+                                         attn_mask=d.key_mask, scale=scale)
+    return out.reshape(b, hq, dim)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, c: PrefillChunk, scale: float) -> torch.Tensor:
+    """q: [n, Hq, D], k/v: [n, Hkv, D] (this chunk's fresh ones) -> [n, Hq, D]."""
+    if c.block_ids is None:  # first chunk: its whole context is itself
+        keys, values, mask, causal = k, v, None, True
+    else:
+        end = c.start_pos + q.shape[0]
+        keys, values = _gather(k_cache, c.block_ids)[:end], _gather(v_cache, c.block_ids)[:end]
+        keys, values, mask, causal = keys.to(q.dtype), values.to(q.dtype), c.mask, False
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                         values.transpose(0, 1).unsqueeze(0), attn_mask=mask,
+                                         is_causal=causal, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] (RoPE applied) -> attention output [T, Hq, D].
+
+    Writes k/v into the cache first, so a decode sees its own token."""
+    write_kv(k_cache, v_cache, k, v, meta)
+    if meta.decode is not None and not meta.prefills:  # pure decode step: no copy into `out`
+        return _decode_attention(q, k_cache, v_cache, meta.decode, scale)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        n = meta.decode.num_tokens
+        out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta.decode, scale)
+    for c in meta.prefills:
+        s, e = c.token_start, c.token_end
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale)
+    return out

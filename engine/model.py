@@ -1,0 +1,198 @@
+"""The Llama-family transformer (Llama, Mistral, Qwen2), gpt-fast style: each block reads like its
+equations. Every layer's 7 linears and 2 norms can be replaced atomically between steps
+(`DecoderLayer.set_weights`), which is how the morph executor changes a layer's precision.
+
+Shapes: T = tokens in the step's flat batch, H = hidden_size, Hq / Hkv = query / kv heads, D = head_dim.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.layers.attention import AttentionMetadata, paged_attention
+from engine.layers.linear import DenseLinear, Linear, tensor_nbytes
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.model_config import ModelConfig
+
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+LINEAR_NAMES = ATTENTION_LINEARS + MLP_LINEARS
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [max_blocks, block_size, Hkv, D]
+
+
+def layer_weight_names(config: ModelConfig, i: int) -> dict[str, str]:
+    """linear name -> HF weight name of layer i (its bias, when it has one, is the same name with
+    `.bias` for `.weight`; see `layer_bias_names`)."""
+    return {n: f"model.layers.{i}.{'self_attn' if n in ATTENTION_LINEARS else 'mlp'}.{n}.weight"
+            for n in LINEAR_NAMES}
+
+
+def layer_bias_names(config: ModelConfig, i: int) -> dict[str, str]:
+    """The linears of layer i that carry a bias: Qwen2 on q/k/v; Llama/Mistral with attention_bias on
+    q/k/v/o (as transformers builds them)."""
+    if not config.attention_bias:
+        return {}
+    names = ("q_proj", "k_proj", "v_proj") if config.architecture == "qwen2" else ATTENTION_LINEARS
+    weights = layer_weight_names(config, i)
+    return {n: weights[n].removesuffix(".weight") + ".bias" for n in names}
+
+
+def layer_norm_names(config: ModelConfig, i: int) -> dict[str, str]:
+    return {n: f"model.layers.{i}.{n}.weight" for n in NORM_NAMES}
+
+
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """linear name -> (out_features, in_features)."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {"q_proj": (config.q_size, h), "k_proj": (config.kv_size, h), "v_proj": (config.kv_size, h),
+            "o_proj": (h, config.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.index, self.config = index, config
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        biased = layer_bias_names(config, index)
+        for name, (out_f, in_f) in linear_shapes(config).items():
+            setattr(self, name, DenseLinear.empty(in_f, out_f, name in biased, dtype, device))
+        for name in NORM_NAMES:
+            weight = torch.empty(config.hidden_size, dtype=dtype, device=device)
+            setattr(self, name, RMSNorm(weight, config.rms_norm_eps))
+
+    def get_linears(self) -> dict[str, Linear]:
+        return {n: getattr(self, n) for n in LINEAR_NAMES}
+
+    def get_norm_weights(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n).weight for n in NORM_NAMES}
+
+    def set_weights(self, linears: Mapping[str, Linear], norm_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Replace all 7 linears (and, when given, both norm weights) at once. Everything is checked
+        before anything changes, so a bad argument leaves the layer as it was."""
+        if set(linears) != set(LINEAR_NAMES):
+            raise ValueError(f"layer {self.index}: set_weights needs exactly the linears {LINEAR_NAMES}, got {sorted(linears)}")
+        for name, (out_f, in_f) in linear_shapes(self.config).items():
+            lin = linears[name]
+            if (lin.out_features, lin.in_features) != (out_f, in_f):
+                raise ValueError(f"layer {self.index}: {name} must be {in_f} -> {out_f} features, "
+                                 f"got {lin.in_features} -> {lin.out_features}")
+        if norm_weights is not None:
+            if set(norm_weights) != set(NORM_NAMES):
+                raise ValueError(f"layer {self.index}: norm_weights needs exactly {NORM_NAMES}, got {sorted(norm_weights)}")
+            for name in NORM_NAMES:
+                if norm_weights[name].shape != (self.config.hidden_size,):
+                    raise ValueError(f"layer {self.index}: {name} weight must be [{self.config.hidden_size}], "
+                                     f"got {tuple(norm_weights[name].shape)}")
+        for name in LINEAR_NAMES:
+            setattr(self, name, linears[name])
+        if norm_weights is not None:
+            for name in NORM_NAMES:
+                getattr(self, name).set_weight(norm_weights[name])
+
+    def weight_bytes(self) -> int:
+        return sum(lin.nbytes() for lin in self.get_linears().values())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        h = x + self.attention(self.input_layernorm(x), positions, rope, meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                  meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        t = x.shape[0]
+        # One matmul per projection over every token of the step, decodes and prefill chunks alike.
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, k, positions)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Transformer(nn.Module):
+    """Weights start uninitialised; `build_model` fills them. forward() -> hidden states,
+    compute_logits() -> fp32 logits of the rows that need them."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        embed = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.register_buffer("embed_weight", embed, persistent=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = RMSNorm(torch.empty(config.hidden_size, dtype=dtype, device=device), config.rms_norm_eps)
+        # Tied: the head is a DenseLinear over the embedding's own tensor (one copy in memory).
+        self.lm_head = (DenseLinear(embed) if config.tie_word_embeddings
+                        else DenseLinear.empty(config.hidden_size, config.vocab_size, False, dtype, device))
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                      config.rope_scaling, dtype, device)
+
+    @property
+    def max_positions(self) -> int:
+        return self.rotary.max_positions
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: Sequence[KVCache]) -> torch.Tensor:
+        """input_ids, positions: [T] long; kv_caches[l] = layer l's (k, v) views -> hidden [T, H]."""
+        x = F.embedding(input_ids, self.embed_weight)  # [T, H]
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, meta, kv)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> fp32 logits [N, vocab]."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """HF name -> the tensor this model owns for it (what build_model fills)."""
+        out = {"model.embed_tokens.weight": self.embed_weight, "model.norm.weight": self.norm.weight}
+        if not self.config.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            linears = layer.get_linears()
+            out.update({hf: linears[n].weight for n, hf in layer_weight_names(self.config, i).items()})
+            out.update({hf: linears[n].bias for n, hf in layer_bias_names(self.config, i).items()})
+            norms = layer.get_norm_weights()
+            out.update({hf: norms[n] for n, hf in layer_norm_names(self.config, i).items()})
+        return out
+
+    def base_weight_bytes(self) -> int:
+        """Bytes outside the swappable linears: embeddings, every norm, lm_head (once if tied), RoPE cache."""
+        tensors = [self.embed_weight, self.norm.weight, self.rotary.cos, self.rotary.sin]
+        if not self.config.tie_word_embeddings:
+            tensors.append(self.lm_head.weight)
+        for layer in self.layers:
+            tensors.extend(layer.get_norm_weights().values())
+        return sum(tensor_nbytes(t) for t in tensors)
+
+    def layer_weight_bytes(self, i: int) -> int:
+        """Bytes of layer i's 7 linears at their current precision."""
+        return self.layers[i].weight_bytes()
+
+
+def build_model(config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str) -> Transformer:
+    """A Transformer whose tensors are fresh copies of `weights` (HF names), cast to `dtype` on `device`;
+    nothing keeps a reference to the (memory-mapped) inputs. Extra names are ignored."""
+    model = Transformer(config, dtype, device)
+    with torch.no_grad():
+        for name, target in model.hf_tensors().items():
+            src = weights.get(name)
+            if src is None:
+                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint; expected shape "
+                                     f"{tuple(target.shape)} (is the config's architecture / tie_word_embeddings right?)")
+            if tuple(src.shape) != tuple(target.shape):
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(src.shape)}, the config implies "
+                                     f"{tuple(target.shape)}; the checkpoint and config.json disagree")
+            target.copy_(src)
+    return model.eval()
