@@ -48,6 +48,7 @@ class EngineConfig(BaseModel):
     int4_group_size: int = Field(128, description="INT4 group size; falls back to 64/32 where a layer's input size needs it")
     enable_morphing: bool = True
     profile: str | None = Field(None, description="layer-importance profile JSON; default: the prepared model's, else front-to-back")
+    int4_checkpoint: str | None = Field(None, description="AutoAWQ GEMM / compressed-tensors pack-quantized folder to take the INT4 variant from; default: the project's own AWQ")
     cache_dir: str | None = Field(None, description="where converted models and host stores live; default $MORPHSERVE_CACHE or ~/.cache/morphserve")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores")

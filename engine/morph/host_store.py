@@ -1,0 +1,166 @@
+"""HostStore: every decoder layer in every precision of the ladder, on disk, memory-mapped.
+
+Built once per model (engine/morph/prepare.py) and reused by every replica:
+
+    <cache_dir>/models/<model name>/store/<fingerprint>/
+        layer_000.bf16.safetensors   the layer's 7 linears, biases and 2 norms, exactly at the model dtype
+        layer_000.int8.safetensors   RTN INT8 records + the biases and norms to use with them
+        layer_000.int4.safetensors   AWQ (or RTN, or checkpoint) INT4 records + biases + norms (AWQ folds
+        ...                          scales into the norms, so each variant carries its own)
+        manifest.json                written last: resident bytes per layer per precision, methods, dtype
+
+The fingerprint covers everything the bytes depend on (weights' identity, dtype, ladder, group size,
+INT4 source), so a changed setting builds a new store instead of reusing a wrong one. Reads go through
+safetensors' safe_open (a private memory map); `read` copies what it returns, so the caller's modules
+own their memory and dropping them really frees it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.errors import ModelLoadError
+from engine.model import LINEAR_NAMES, NORM_NAMES
+from engine.precision import Precision
+from engine.quant import from_tensors
+from engine.quant.awq import LayerWeights, QuantizedLayer
+
+STORE_VERSION = 1  # bump when the file layout changes: old stores then get a new fingerprint
+MANIFEST = "manifest.json"
+PREPARE_HINT = "re-run `python -m engine.morph.prepare --model <model>` (or delete the store folder and restart)"
+
+StoredLayer = LayerWeights | QuantizedLayer
+
+
+def store_root(cache_dir: Path, model_name: str) -> Path:
+    return Path(cache_dir) / "models" / model_name / "store"
+
+
+def layer_file_name(layer: int, precision: Precision) -> str:
+    return f"layer_{layer:03d}.{precision.value}.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreManifest:
+    model: str
+    num_layers: int
+    dtype: str  # the full precision, e.g. "bf16"
+    precisions: tuple[str, ...]  # the ladder, full first: ("bf16", "int8", "int4")
+    layer_bytes: tuple[dict[str, int], ...]  # [layer][precision] -> resident bytes of its 7 linears
+    int4_method: str  # "awq" | "rtn" | "checkpoint:<dir>"
+    int4_group_sizes: dict[str, int]  # linear name -> group size used
+    calibration: dict[str, Any]  # what AWQ was calibrated on (or why it was not)
+    fingerprint: str
+    build_seconds: float
+    version: int = STORE_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StoreManifest":
+        data = json.loads(text)
+        data["precisions"] = tuple(data["precisions"])
+        data["layer_bytes"] = tuple(data["layer_bytes"])
+        return cls(**data)
+
+
+class HostStore:
+    """A built store, opened read-only. `read(layer, precision)` -> the layer's tensors on CPU."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self.manifest = StoreManifest.from_json((self.path / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ModelLoadError(f"host store {self.path} has no readable {MANIFEST} ({e}); {PREPARE_HINT}") from e
+        if self.manifest.version != STORE_VERSION:
+            raise ModelLoadError(f"host store {self.path} has layout version {self.manifest.version}, this engine "
+                                 f"reads {STORE_VERSION}; {PREPARE_HINT}")
+        self.precisions = tuple(Precision(p) for p in self.manifest.precisions)
+        self.check_integrity()
+
+    @property
+    def num_layers(self) -> int:
+        return self.manifest.num_layers
+
+    def layer_file(self, layer: int, precision: Precision) -> Path:
+        return self.path / layer_file_name(layer, precision)
+
+    def layer_bytes(self, layer: int, precision: Precision) -> int:
+        """Resident bytes of the layer's linears at `precision` (what the ledger will count)."""
+        self._check_known(layer, precision)
+        return self.manifest.layer_bytes[layer][precision.value]
+
+    def check_integrity(self) -> None:
+        """Every variant file the manifest promises is there: a missing one fails at start-up."""
+        if len(self.manifest.layer_bytes) != self.num_layers:
+            raise ModelLoadError(f"host store {self.path}: manifest lists {len(self.manifest.layer_bytes)} layers, "
+                                 f"expected {self.num_layers}; {PREPARE_HINT}")
+        for layer in range(self.num_layers):
+            for p in self.precisions:
+                if not self.layer_file(layer, p).is_file():
+                    raise ModelLoadError(f"host store {self.path} lacks layer {layer} at {p.value} "
+                                         f"({layer_file_name(layer, p)}); {PREPARE_HINT}")
+
+    def read(self, layer: int, precision: Precision) -> StoredLayer:
+        """The layer at `precision`: LayerWeights for the full precision (bit-exact copies of the
+        original tensors), QuantizedLayer for int8/int4. Fresh CPU tensors, not views of the map."""
+        self._check_known(layer, precision)
+        path = self.layer_file(layer, precision)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                metadata = f.metadata() or {}
+                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
+        except FileNotFoundError:
+            raise ModelLoadError(f"host store {self.path} lacks layer {layer} at {precision.value} "
+                                 f"({path.name}); {PREPARE_HINT}") from None
+        except (OSError, SafetensorError) as e:
+            raise ModelLoadError(f"cannot read layer {layer} at {precision.value} from {path} ({e}); {PREPARE_HINT}") from e
+        try:
+            return _decode(tensors, metadata, precision)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{path} does not hold layer {layer} at {precision.value} ({e}); {PREPARE_HINT}") from e
+
+    def _check_known(self, layer: int, precision: Precision) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+        if precision not in self.precisions:
+            raise ValueError(f"the host store holds {[p.value for p in self.precisions]}, not {precision.value}")
+
+
+def encode_layer(stored: StoredLayer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A layer as flat safetensors tensors + metadata (inverse of `_decode`)."""
+    tensors = {f"{n}.weight": t for n, t in stored.norms.items()}
+    tensors.update({f"{n}.bias": t for n, t in stored.biases.items()})
+    metadata: dict[str, str] = {}
+    if isinstance(stored, LayerWeights):
+        tensors.update({f"{n}.weight": t for n, t in stored.linears.items()})
+        metadata["format"] = "full"
+    else:
+        metadata["format"] = stored.precision.value
+        for n, record in stored.linears.items():
+            t, m = record.to_tensors(f"{n}.")
+            tensors.update(t)
+            metadata.update(m)
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata
+
+
+def _decode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], precision: Precision) -> StoredLayer:
+    norms = {n: tensors[f"{n}.weight"] for n in NORM_NAMES}
+    biases = {n: tensors[f"{n}.bias"] for n in LINEAR_NAMES if f"{n}.bias" in tensors}
+    if precision.is_full:
+        if metadata.get("format") != "full":
+            raise ValueError(f"stored as {metadata.get('format')!r}, not full precision")
+        return LayerWeights(linears={n: tensors[f"{n}.weight"] for n in LINEAR_NAMES}, norms=norms, biases=biases)
+    if metadata.get("format") != precision.value:
+        raise ValueError(f"stored as {metadata.get('format')!r}, not {precision.value}")
+    layer = QuantizedLayer(precision, {n: from_tensors(tensors, metadata, f"{n}.") for n in LINEAR_NAMES},
+                           norms, biases)
+    layer.check_integrity()
+    return layer

@@ -1,0 +1,183 @@
+"""LayerSwapper: move one decoder layer to another precision of the ladder, between two steps.
+
+    down (fewer bytes)                          up (more bytes, e.g. restore)
+    1. load the variant (maybe prefetched)      1. KVResizer shrinks by the bytes the layer needs back
+    2. switch: layer.set_weights (atomic)          (migrating live blocks; "waiting" if they do not fit,
+    3. drop the old copy, malloc_trim(0)            and then nothing has changed)
+    4. credit the ledger                        2. claim the bytes in the ledger
+    5. KVResizer grows by what the ledger frees 3. load, switch, drop the old copy
+
+Going up claims memory before loading, so weights + kv + reserve <= budget holds at every point the
+ledger can observe. A down move loads first and frees after, so for a moment both copies exist: the
+smaller one is the new one, and it fits in the activation reserve (a layer at INT8 is a fraction of
+what one step's activations take). Prefetch (a worker thread) is used for down moves only, so an
+up move never holds a full-precision copy that the ledger has not paid for.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.layers.linear import DenseLinear, Linear
+from engine.ledger import MemoryLedger
+from engine.model import Transformer
+from engine.morph.host_store import HostStore, StoredLayer
+from engine.morph.kv_resizer import KVResizer
+from engine.precision import Precision
+from engine.quant import make_linear
+from engine.quant.awq import LayerWeights
+
+logger = logging.getLogger(__name__)
+_MAX_PREFETCHED = 4  # loaded-but-unused variants held at once (each is a low-precision layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapResult:
+    layer: int
+    before: Precision
+    after: Precision  # the layer's precision once this returns (== before unless status is "done")
+    status: Literal["done", "waiting", "noop", "rejected"]
+    weight_bytes_delta: int = 0  # negative when weights were freed
+    kv_blocks_delta: int = 0  # positive when KV grew
+    blocks_migrated: int = 0
+    swap_seconds: float = 0.0  # load + switch + free
+    resize_seconds: float = 0.0
+    message: str = ""
+
+
+def layer_precision(model: Transformer, layer: int) -> Precision:
+    return model.layers[layer].get_linears()["q_proj"].precision
+
+
+def release_freed_memory() -> None:
+    """Give freed heap pages back to the OS so RSS really falls (glibc keeps them otherwise)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to trim with
+            pass
+
+
+def _record_to(record, device: torch.device):
+    """A copy of an Int8Weight / Int4Weight whose tensors live on `device`."""
+    moved = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+    return type(record)(**moved)
+
+
+def build_linears(stored: StoredLayer, device: torch.device) -> tuple[dict[str, Linear], dict[str, torch.Tensor]]:
+    """Modules for a stored layer on `device`: the 7 linears and the 2 norm weights to install."""
+    bias = {n: b.to(device) for n, b in stored.biases.items()}
+    if isinstance(stored, LayerWeights):
+        linears = {n: DenseLinear(w.to(device), bias.get(n)) for n, w in stored.linears.items()}
+    else:
+        linears = {n: make_linear(_record_to(r, device), bias.get(n)) for n, r in stored.linears.items()}
+    return linears, {n: t.to(device) for n, t in stored.norms.items()}
+
+
+class LayerSwapper:
+    """Owns the layers' precisions. Call `move` only at a step boundary (no step is running)."""
+
+    def __init__(self, model: Transformer, store: HostStore, ledger: MemoryLedger, kv_resizer: KVResizer):
+        self.model, self.store, self.ledger, self.kv_resizer = model, store, ledger, kv_resizer
+        self.device = model.embed_weight.device
+        self._prefetched: dict[tuple[int, Precision], Future] = {}
+        self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morph-prefetch")
+
+    def precision_of(self, layer: int) -> Precision:
+        return layer_precision(self.model, layer)
+
+    def precisions(self) -> tuple[Precision, ...]:
+        return tuple(layer_precision(self.model, i) for i in range(len(self.model.layers)))
+
+    def load(self, layer: int, precision: Precision) -> tuple[dict[str, Linear], dict[str, torch.Tensor]]:
+        return build_linears(self.store.read(layer, precision), self.device)
+
+    def prefetch(self, layer: int, precision: Precision) -> None:
+        """Start loading a variant on the worker thread (down moves only, see the module docstring)."""
+        key = (layer, precision)
+        if key in self._prefetched or len(self._prefetched) >= _MAX_PREFETCHED:
+            return
+        if self.store.layer_bytes(layer, precision) >= self.ledger.layer_weights(layer):
+            return
+        self._prefetched[key] = self._workers.submit(self.load, layer, precision)
+
+    def _take_loaded(self, layer: int, precision: Precision):
+        future = self._prefetched.pop((layer, precision), None)
+        for key in [k for k in self._prefetched if k[0] == layer]:  # other variants of it are stale now
+            self._prefetched.pop(key).cancel()
+        return future.result() if future is not None else self.load(layer, precision)
+
+    def move(self, layer: int, target: Precision) -> SwapResult:
+        before = self.precision_of(layer)
+        if target == before:
+            return SwapResult(layer, before, before, "noop", message=f"layer {layer} is already {target.value}")
+        target_bytes = self.store.layer_bytes(layer, target)
+        if target_bytes <= self.ledger.layer_weights(layer):
+            return self._down(layer, before, target)
+        return self._up(layer, before, target, target_bytes)
+
+    def _switch(self, layer: int, target: Precision) -> float:
+        """Install the variant and drop the old copy; seconds taken."""
+        t0 = time.perf_counter()
+        linears, norms = self._take_loaded(layer, target)
+        self.model.layers[layer].set_weights(linears, norms)
+        del linears, norms  # the layer now holds the only references; the old modules are garbage
+        release_freed_memory()
+        return time.perf_counter() - t0
+
+    def _down(self, layer: int, before: Precision, target: Precision) -> SwapResult:
+        old_bytes = self.ledger.layer_weights(layer)
+        try:
+            swap_s = self._switch(layer, target)
+        except ModelLoadError as e:
+            return SwapResult(layer, before, before, "rejected", message=str(e))
+        self.ledger.set_layer_weights(layer, self.model.layer_weight_bytes(layer))
+        grown = self.kv_resizer.grow(self.kv_resizer.growable_blocks())
+        return SwapResult(layer, before, target, "done", self.ledger.layer_weights(layer) - old_bytes,
+                          grown.blocks_delta, 0, swap_s, grown.seconds)
+
+    def _up(self, layer: int, before: Precision, target: Precision, target_bytes: int) -> SwapResult:
+        old_bytes = self.ledger.layer_weights(layer)
+        shortfall = target_bytes - old_bytes - max(0, self.ledger.free)
+        block_bytes = self.kv_resizer.storage.block_bytes
+        blocks = -(-shortfall // block_bytes) if shortfall > 0 else 0
+        pool = self.kv_resizer.pool
+        if blocks > pool.capacity - self.kv_resizer.min_blocks:
+            return SwapResult(layer, before, before, "rejected", message=(
+                f"layer {layer} at {target.value} needs {shortfall} more bytes; giving up {blocks} KV blocks would "
+                f"leave fewer than {self.kv_resizer.min_blocks} (one max_model_len request). Raise memory_budget."))
+        shrunk = self.kv_resizer.shrink(blocks) if blocks else None
+        if shrunk is not None and shrunk.status != "done":
+            return SwapResult(layer, before, before, "waiting", message=(
+                f"layer {layer} -> {target.value} waits for {blocks} KV blocks: {shrunk.message}"))
+        kv_delta = shrunk.blocks_delta if shrunk else 0
+        resize_s = shrunk.seconds if shrunk else 0.0
+        migrated = shrunk.blocks_migrated if shrunk else 0
+        self.ledger.set_layer_weights(layer, target_bytes)  # claim before loading
+        try:
+            swap_s = self._switch(layer, target)
+        except ModelLoadError as e:
+            self.ledger.set_layer_weights(layer, old_bytes)
+            regrown = self.kv_resizer.grow(self.kv_resizer.growable_blocks())
+            return SwapResult(layer, before, before, "rejected", 0, kv_delta + regrown.blocks_delta, migrated,
+                              0.0, resize_s + regrown.seconds, message=str(e))
+        actual = self.model.layer_weight_bytes(layer)
+        if actual != target_bytes:  # the manifest and the built modules disagree: trust the modules
+            logger.warning("layer %d at %s holds %d bytes, the host store said %d", layer, target.value, actual, target_bytes)
+            self.ledger.set_layer_weights(layer, actual)
+        return SwapResult(layer, before, target, "done", actual - old_bytes, kv_delta, migrated, swap_s, resize_s)
+
+    def close(self) -> None:
+        for f in self._prefetched.values():
+            f.cancel()
+        self._prefetched.clear()
+        self._workers.shutdown(wait=True)

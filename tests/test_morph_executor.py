@@ -1,0 +1,173 @@
+"""MorphExecutor: targets move k layers per step in swap order (restores in reverse), waiting actions stay
+pending, integrity is checked after every action, and greedy output survives a full down-and-up cycle."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.morph.actions import RestoreLayer, SetQuantizedTarget, SwapLayer
+from engine.precision import Precision
+from engine.sampling_params import SamplingParams
+
+F32, I8, I4 = Precision.FP32, Precision.INT8, Precision.INT4
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = {f"r{i}": [3 + i, 17, 42 + i, 9, 100 + 3 * i, 7] for i in range(4)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only adds synchronisation on a shared box
+    yield
+    torch.set_num_threads(before)
+
+
+def engine_for(model_dir, cache_dir, **overrides) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="fp32", memory_budget="32MiB", max_model_len=64, block_size=4,
+               reserve="1MiB", seed=0, cache_dir=str(cache_dir))
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def profile_file(tmp_path, order, num_layers=4):
+    path = tmp_path / "tiny.lis.json"
+    path.write_text(json.dumps({"model": "tiny", "num_layers": num_layers, "order": order,
+                                "scores": [0.0] * len(order), "calibration": {}}))
+    return path
+
+
+def generate(engine: LLMEngine, prompts=PROMPTS, between_steps=None) -> dict[str, list[int]]:
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, GREEDY)
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    step = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+        step += 1
+        if between_steps:
+            between_steps(step)
+        engine.check_integrity()
+    return tokens
+
+
+def test_target_moves_k_layers_per_step_in_swap_order(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path, profile=str(profile_file(tmp_path, [2, 0, 3, 1])))
+    state = engine.morph_state()
+    assert state.swap_order == (2, 0, 3, 1) and state.swap_order_source.startswith("lis:")
+    first = engine.apply(SetQuantizedTarget(3, I4, max_layers_per_step=2))
+    assert first.status == "waiting" and first.layers_changed == (2, 0) and first.kv_blocks_delta > 0
+    assert engine.morph_state().layer_precisions == (I4, F32, I4, F32)
+    assert engine.morph_state().pending == (SetQuantizedTarget(3, I4, 2),)
+    engine.step()  # a step boundary: the executor continues the target
+    assert engine.morph_state().layer_precisions == (I4, F32, I4, I4)
+    assert engine.morph_state().pending == () and engine.morph_state().num_quantized == 3
+
+    # Down to one INT8 layer: every move is "up" in bytes, so they go in reverse swap order: 3, 0, then 2.
+    seen = [engine.apply(SetQuantizedTarget(1, I8, max_layers_per_step=1)).layers_changed]
+    while engine.morph_state().pending:
+        engine.step()
+        seen.append(tuple(i for i, p in enumerate(engine.morph_state().layer_precisions)
+                          if p != {2: I8}.get(i, F32)))
+    assert seen[0] == (3,)
+    assert engine.morph_state().layer_precisions == (F32, F32, I8, F32)
+    assert engine.apply(SetQuantizedTarget(1, I8)).status == "noop"
+
+
+def test_newer_target_replaces_older_and_results_report_timings(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path)
+    ex = engine.morph_executor
+    ex.submit(SetQuantizedTarget(4, I4, 1))
+    ex.submit(SetQuantizedTarget(2, I8, 1))
+    assert engine.morph_state().pending == (SetQuantizedTarget(2, I8, 1),)
+    results = ex.run_pending() + ex.run_pending()
+    assert [r.status for r in results] == ["waiting", "done"]
+    assert [r.layers_changed for r in results] == [(0,), (1,)]  # front-to-back without a profile
+    assert all(r.swap_seconds > 0 and r.resize_seconds >= 0 for r in results)
+    assert ex.run_pending() == []
+
+
+def test_integrity_is_checked_after_every_action(tiny_model_dir, tmp_path, monkeypatch):
+    engine = engine_for(tiny_model_dir, tmp_path)
+    calls = {"pool": 0, "ledger": 0}
+    for name, obj in (("pool", engine.pool), ("ledger", engine.ledger)):
+        real = obj.check_integrity
+        monkeypatch.setattr(obj, "check_integrity", lambda real=real, name=name: (calls.__setitem__(name, calls[name] + 1), real())[1])
+    actions = [SwapLayer(0, I8), SwapLayer(0, I8), RestoreLayer(0), SetQuantizedTarget(1, I4)]
+    before = dict(calls)
+    for a in actions:
+        engine.apply(a)
+    assert calls["pool"] - before["pool"] >= len(actions) and calls["ledger"] - before["ledger"] >= len(actions)
+
+
+def test_greedy_output_identical_after_full_down_and_up_cycle(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path)
+    reference = generate(engine)
+    assert engine.apply(SetQuantizedTarget(4, I4, max_layers_per_step=4)).status == "done"
+    quantized = generate(engine)
+    assert quantized != reference  # the swap really changed the weights the model runs
+    assert engine.apply(SetQuantizedTarget(0, I4, max_layers_per_step=4)).status == "done"
+    assert generate(engine) == reference
+
+    # And with the cycle happening while the requests decode: down at step 2, back up at step 5.
+    actions = {2: SetQuantizedTarget(4, I8, 4), 5: SetQuantizedTarget(0, I8, 4)}
+    mixed = generate(engine, between_steps=lambda s: s in actions and engine.apply(actions[s]))
+    assert all(len(t) == GREEDY.max_tokens for t in mixed.values())
+    assert engine.morph_state().num_quantized == 0 and generate(engine) == reference
+
+
+def test_bad_actions_are_refused_clearly(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path)
+    cases = [(SwapLayer(9, I4), "layer 9 does not exist"), (SwapLayer(0, Precision.BF16), "not on the ladder"),
+             (SetQuantizedTarget(5, I4), "count must be in 0..4"), (SetQuantizedTarget(2, F32), "target precision"),
+             (SetQuantizedTarget(2, I4, 0), "max_layers_per_step")]
+    for action, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.morph_executor.submit(action)
+        result = engine.apply(action)
+        assert result.status == "rejected" and message in result.message
+    assert engine.morph_state().pending == () and engine.morph_state().num_quantized == 0
+
+
+def test_morphing_disabled_builds_nothing(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path, enable_morphing=False)
+    assert engine.morph_executor is None and not (tmp_path / "models").exists()
+    assert engine.apply(SwapLayer(0, I4)).status == "rejected"
+    assert engine.morph_state().morphing_enabled is False
+
+
+def test_default_model_morphs_mid_generation_and_comes_back_exact(default_model_dir):
+    """The real SmolLM2 (bf16, AWQ host store in the default cache): every layer to INT4 and back while
+    two requests decode; they finish, and greedy output at full precision is unchanged afterwards."""
+    engine = LLMEngine(EngineConfig(model="default", dtype="bf16", memory_budget="1GiB", max_model_len=256))
+    prompts = {"a": "The capital of France is", "b": "Water boils at a temperature of"}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def run(actions=None) -> dict[str, list[int]]:
+        for rid, p in prompts.items():
+            engine.add_request(rid, p, params)
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        step = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.token_ids)
+            step += 1
+            if actions and step in actions:
+                assert engine.apply(actions[step]).status == "done"
+            engine.check_integrity()
+        return tokens
+
+    store = engine.morph_executor.swapper.store
+    assert store.manifest.int4_method == "awq" and store.manifest.dtype == "bf16"
+    reference = run()
+    weights, capacity = engine.ledger.weights, engine.pool.capacity
+    n = engine.model_config.num_layers
+    morphed = run({2: SetQuantizedTarget(n, I4, n), 4: SetQuantizedTarget(0, I4, n)})
+    assert all(len(t) == params.max_tokens for t in morphed.values())
+    assert engine.ledger.weights == weights and engine.pool.capacity == capacity
+    assert run() == reference
