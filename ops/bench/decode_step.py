@@ -1,0 +1,120 @@
+"""Decode step time with 0, 15 and 30 layers in INT4 (bf16 model), batch 1 and 16, side by side.
+
+One decode step = every sequence of the batch decodes one token at position `--context` through the
+real ModelRunner and paged KV storage (the KV holds zeros: attention costs the same whatever it
+holds). Layers are switched to INT4 in the LIS swap order (the committed profile; front-to-back
+without one), RTN INT4 (the same packed kernel as AWQ, so the same speed). On a shared machine the
+configurations are interleaved round by round, so load drift hits them alike; each round times
+`--steps` consecutive steps, and the reported figure is the median over rounds of the mean step time.
+
+    python -m ops.bench.decode_step --model default --out decode_step.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.batch import ScheduledChunk, SchedulerOutput
+from engine.kv_storage import KVStorage
+from engine.model import Transformer
+from engine.model_runner import ModelRunner
+from engine.morph.profiler import LayerSwitch, layer_weights, load_model
+from engine.precision import Precision, parse_dtype
+from engine.quant.awq import quantize_layer_rtn
+
+BLOCK_SIZE = 16
+
+
+def decode_batch(batch: int, context: int, vocab: int) -> SchedulerOutput:
+    """`batch` one-token chunks at position `context`, each request with its own blocks."""
+    per_seq = -(-(context + 1) // BLOCK_SIZE)
+    chunks = tuple(ScheduledChunk(f"r{i}", ((7 * i + 11) % vocab,), context,
+                                  tuple(range(i * per_seq, (i + 1) * per_seq)), needs_logits=True)
+                   for i in range(batch))
+    return SchedulerOutput(chunks)
+
+
+def make_runner(model: Transformer, batch: int, context: int) -> ModelRunner:
+    c, device = model.config, model.embed_weight.device
+    blocks = batch * -(-(context + 1) // BLOCK_SIZE)
+    storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, model.dtype, device,
+                        max_blocks=blocks, capacity=blocks)
+    return ModelRunner(model, storage, device)
+
+
+def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int) -> float:
+    """Mean seconds per decode step over `steps` consecutive steps."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner.execute(step)
+    sync()  # CUDA launches are asynchronous: time the work, not the launches
+    return (time.perf_counter() - start) / steps
+
+
+def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts: Sequence[int],
+          batches: Sequence[int], context: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """{"batch=<b>": {"int4=<n>": median seconds per step}} over interleaved rounds (one warm-up round)."""
+    runners = {b: (make_runner(model, b, context), decode_batch(b, context, model.config.vocab_size)) for b in batches}
+    samples: dict[tuple[int, int], list[float]] = {(b, n): [] for b in batches for n in counts}
+    for r in range(rounds + 1):
+        for n in counts:
+            for i in order[:n]:
+                switch.quantize(i)
+            try:
+                for b, (runner, step) in runners.items():
+                    t = time_steps(runner, step, steps)
+                    if r > 0:  # round 0 warms caches and the kernels' packing paths
+                        samples[(b, n)].append(t)
+            finally:
+                for i in order[:n]:
+                    switch.restore(i)
+    return {f"batch={b}": {f"int4={n}": statistics.median(samples[(b, n)]) for n in counts} for b in batches}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from engine.morph.swap_order import resolve_swap_order
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--out", type=Path, default=Path("decode_step.json"))
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--layers", type=int, nargs="+", default=[0, 15, 30])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--context", type=int, default=128, help="tokens already in each sequence's KV")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=5, help="consecutive steps timed per round")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name, _, model = load_model(args.model, parse_dtype(args.dtype), args.device)
+    num_layers = model.config.num_layers
+    if max(args.layers) > num_layers:
+        raise SystemExit(f"--layers {args.layers}: the model has only {num_layers} layers")
+    order = resolve_swap_order(num_layers, name)
+    int4 = {i: quantize_layer_rtn(layer_weights(model, i), Precision.INT4) for i in order.order[:max(args.layers)]}
+    results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
+                    args.rounds, args.steps)
+    report = {"model": name, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
+              "context": args.context, "rounds": args.rounds, "steps_per_round": args.steps,
+              "swap_order": order.source, "int4": "rtn, group 128 (64 where needed)",
+              "median_seconds_per_step": results}
+    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    print(f"{'':<10}" + "".join(f"{f'{n} INT4':>14}" for n in args.layers))
+    for key, row in results.items():
+        print(f"{key:<10}" + "".join(f"{row[f'int4={n}'] * 1e3:>11.2f} ms" for n in args.layers))
+    print(f"{name} {args.dtype} on {torch.get_num_threads()} CPU threads, context {args.context}; "
+          f"order {order.source} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
