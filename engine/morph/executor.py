@@ -210,8 +210,9 @@ def prepare_morphing(engine, files) -> MorphSetup:
 
 
 def _start_morphed(engine, store: HostStore, order: SwapOrder, lowest: Precision, full_error: BudgetError) -> None:
+    device = engine.model.embed_weight.device
     for count, layer in enumerate(order.order, start=1):
-        linears, norms = build_linears(store.read(layer, lowest), engine.model.embed_weight.device)
+        linears, norms = build_linears(store.read(layer, lowest, device), device)
         engine.model.layers[layer].set_weights(linears, norms)
         try:
             engine._plan_memory()

@@ -6,13 +6,20 @@ Built once per model (engine/morph/prepare.py) and reused by every replica:
         layer_000.bf16.safetensors   the layer's 7 linears, biases and 2 norms, exactly at the model dtype
         layer_000.int8.safetensors   RTN INT8 records + the biases and norms to use with them
         layer_000.int4.safetensors   AWQ (or RTN, or checkpoint) INT4 records + biases + norms (AWQ folds
-        ...                          scales into the norms, so each variant carries its own)
+        ...                          scales into the norms, so each variant carries its own), and each
+                                     INT4 linear again as the CPU kernel holds it ("<linear>.kernel.*")
         manifest.json                written last: resident bytes per layer per precision, methods, dtype
 
 The fingerprint covers everything the bytes depend on (weights' identity, dtype, ladder, group size,
 INT4 source), so a changed setting builds a new store instead of reusing a wrong one. Reads go through
 safetensors' safe_open (a private memory map); `read` copies what it returns, so the caller's modules
 own their memory and dropping them really frees it.
+
+Why the INT4 file holds the CPU kernel's layout too: re-packing canonical codes for the CPU kernel
+was most of an INT4 swap-down (SmolLM2: ~19 ms of packing per layer against a few ms of copying). The
+layout is keyed (int4_kernel.cpu_layout: torch version, ISA, a probe of the packing itself) and the
+key is part of the store's fingerprint; `read(..., device)` still falls back to the canonical record
+(packed at load) for another key, for CUDA, and for shapes the kernel cannot take.
 """
 from __future__ import annotations
 
@@ -27,11 +34,13 @@ from safetensors import SafetensorError, safe_open
 from engine.errors import ModelLoadError
 from engine.model import LINEAR_NAMES, NORM_NAMES
 from engine.precision import Precision
-from engine.quant import from_tensors
+from engine.quant import Int4Weight, from_tensors
 from engine.quant.awq import LayerWeights, QuantizedLayer
+from engine.quant.int4_kernel import cpu_layout, layout_backend, pack_int4
 
-STORE_VERSION = 1  # bump when the file layout changes: old stores then get a new fingerprint
+STORE_VERSION = 2  # bump when the file layout changes: old stores then get a new fingerprint (2: INT4 kernel layout)
 MANIFEST = "manifest.json"
+KERNEL_PREFIX = "kernel."  # "<linear>.kernel.packed" / ".scales_and_zeros" (+ metadata ".layout", ".group_size")
 PREPARE_HINT = "re-run `python -m engine.morph.prepare --model <model>` (or delete the store folder and restart)"
 
 StoredLayer = LayerWeights | QuantizedLayer
@@ -108,15 +117,21 @@ class HostStore:
                     raise ModelLoadError(f"host store {self.path} lacks layer {layer} at {p.value} "
                                          f"({layer_file_name(layer, p)}); {PREPARE_HINT}")
 
-    def read(self, layer: int, precision: Precision) -> StoredLayer:
+    def read(self, layer: int, precision: Precision, device: torch.device | str | None = None) -> StoredLayer:
         """The layer at `precision`: LayerWeights for the full precision (bit-exact copies of the
-        original tensors), QuantizedLayer for int8/int4. Fresh CPU tensors, not views of the map."""
+        original tensors), QuantizedLayer for int8/int4. Fresh tensors, not views of the map.
+
+        Without `device`: canonical records on CPU (what quality tools and tests compare). With it:
+        what building the layer's linears on `device` needs, copied once from the map straight onto
+        it; INT4 linears come as PackedInt4Weight when the store holds this process's layout."""
         self._check_known(layer, precision)
+        target = torch.device("cpu" if device is None else device)
+        layout = cpu_layout() if device is not None and target.type == "cpu" and precision == Precision.INT4 else None
         path = self.layer_file(layer, precision)
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 metadata = f.metadata() or {}
-                tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
+                tensors = {name: f.get_tensor(name).to(target, copy=True) for name in _wanted(f.keys(), metadata, layout)}
         except FileNotFoundError:
             raise ModelLoadError(f"host store {self.path} lacks layer {layer} at {precision.value} "
                                  f"({path.name}); {PREPARE_HINT}") from None
@@ -148,7 +163,30 @@ def encode_layer(stored: StoredLayer) -> tuple[dict[str, torch.Tensor], dict[str
             t, m = record.to_tensors(f"{n}.")
             tensors.update(t)
             metadata.update(m)
+            if isinstance(record, Int4Weight):
+                t, m = _cpu_kernel_tensors(record, f"{n}.{KERNEL_PREFIX}")
+                tensors.update(t)
+                metadata.update(m)
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata
+
+
+def _cpu_kernel_tensors(record: Int4Weight, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The record as the CPU kernel holds it (nothing for shapes the kernel cannot take)."""
+    on_cpu = Int4Weight(record.qweight.cpu(), record.scales.cpu(), record.zeros.cpu(), record.group_size)
+    packed = pack_int4(on_cpu)
+    return packed.to_tensors(prefix) if layout_backend(packed.layout) == "cpu" else ({}, {})
+
+
+def _wanted(names, metadata: dict[str, str], layout: str | None) -> list[str]:
+    """The tensors to copy: each INT4 linear once, packed when it was stored for `layout`, else canonical."""
+    packed = {n for n in LINEAR_NAMES if layout is not None and metadata.get(f"{n}.{KERNEL_PREFIX}layout") == layout}
+
+    def keep(name: str) -> bool:
+        linear, _, rest = name.partition(".")
+        if rest.startswith(KERNEL_PREFIX):
+            return linear in packed
+        return linear not in packed or rest not in ("qweight", "scales", "zeros")
+    return [name for name in names if keep(name)]
 
 
 def _decode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], precision: Precision) -> StoredLayer:
@@ -160,7 +198,7 @@ def _decode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], precisio
         return LayerWeights(linears={n: tensors[f"{n}.weight"] for n in LINEAR_NAMES}, norms=norms, biases=biases)
     if metadata.get("format") != precision.value:
         raise ValueError(f"stored as {metadata.get('format')!r}, not {precision.value}")
-    layer = QuantizedLayer(precision, {n: from_tensors(tensors, metadata, f"{n}.") for n in LINEAR_NAMES},
-                           norms, biases)
+    prefixes = {n: f"{n}.{KERNEL_PREFIX}" if f"{n}.{KERNEL_PREFIX}packed" in tensors else f"{n}." for n in LINEAR_NAMES}
+    layer = QuantizedLayer(precision, {n: from_tensors(tensors, metadata, p) for n, p in prefixes.items()}, norms, biases)
     layer.check_integrity()
     return layer

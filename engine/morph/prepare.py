@@ -38,6 +38,7 @@ from engine.precision import Precision
 from engine.quant import quantized_nbytes
 from engine.quant.awq import LayerCalibration, LayerWeights, awq_quantize_layer, quantize_layer_rtn
 from engine.quant.checkpoints import load_int4_layer, open_int4_checkpoint
+from engine.quant.int4_kernel import cpu_layout
 
 CALIBRATION_TEXT = Path(os.environ.get("MORPHSERVE_CALIBRATION_TEXT", "/work/shared/text/wikitext-2-valid.txt"))
 _LOCK_TIMEOUT_S = 1800.0
@@ -77,7 +78,8 @@ def fingerprint(spec: StoreSpec, method: str, calibration_ids: Sequence[Sequence
     key = {"version": STORE_VERSION, "model": _files_identity(spec.hf_dir), "full": spec.full.value,
            "ladder": [p.value for p in spec.ladder], "group": spec.int4_group_size, "method": method,
            "checkpoint": [str(spec.int4_checkpoint), _files_identity(spec.int4_checkpoint)],
-           "calibration": [list(map(list, calibration_ids or [])), spec.awq_grid]}  # ids cover text+lengths
+           "calibration": [list(map(list, calibration_ids or [])), spec.awq_grid],  # ids cover text+lengths
+           "int4_cpu_layout": cpu_layout() if Precision.INT4 in spec.ladder else None}  # the stored kernel bytes
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -7,13 +7,14 @@ from torch import Tensor
 
 from engine.precision import Precision, torch_dtype
 from engine.quant.int4 import Int4Linear, Int4Weight, int4_group_size, quantize_int4
+from engine.quant.int4_kernel import PackedInt4Weight, pack_int4
 from engine.quant.int8 import KERNEL_DTYPE, Int8Linear, Int8Weight, quantize_int8
 
-QuantizedWeight = Int8Weight | Int4Weight
+QuantizedWeight = Int8Weight | Int4Weight | PackedInt4Weight  # PackedInt4Weight: INT4 as a device's kernel holds it
 
 __all__ = ["Int8Weight", "Int8Linear", "quantize_int8", "Int4Weight", "Int4Linear", "quantize_int4",
-           "int4_group_size", "QuantizedWeight", "quantized_nbytes", "to_tensors", "from_tensors",
-           "make_linear"]
+           "int4_group_size", "PackedInt4Weight", "pack_int4", "QuantizedWeight", "quantized_nbytes", "to_tensors",
+           "from_tensors", "make_linear"]
 
 
 def quantized_nbytes(precision: Precision, out_features: int, in_features: int, group_size: int = 128,
@@ -46,6 +47,8 @@ def from_tensors(tensors: dict[str, Tensor], metadata: dict[str, str], prefix: s
         return Int8Weight.from_tensors(tensors, metadata, prefix)
     if fmt == Precision.INT4.value:
         return Int4Weight.from_tensors(tensors, metadata, prefix)
+    if fmt == "int4-packed":
+        return PackedInt4Weight.from_tensors(tensors, metadata, prefix)
     raise ValueError(f"no quantized record under prefix {prefix!r} (format metadata is {fmt!r})")
 
 

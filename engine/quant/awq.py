@@ -31,6 +31,7 @@ from engine.model_config import ModelConfig
 from engine.precision import Precision
 from engine.quant import make_linear
 from engine.quant.int4 import Int4Linear, Int4Weight, fake_quantize_int4, quantize_int4
+from engine.quant.int4_kernel import PackedInt4Weight
 from engine.quant.int8 import Int8Linear, Int8Weight, quantize_int8
 
 
@@ -66,7 +67,7 @@ class QuantizedLayer:
     them (AWQ changes input/post_attention_layernorm, v_proj's and up_proj's biases)."""
 
     precision: Precision
-    linears: Mapping[str, Int8Weight | Int4Weight]
+    linears: Mapping[str, Int8Weight | Int4Weight | PackedInt4Weight]
     norms: Mapping[str, Tensor]
     biases: Mapping[str, Tensor]
 
@@ -74,10 +75,12 @@ class QuantizedLayer:
         if set(self.linears) != set(LINEAR_NAMES) or set(self.norms) != set(NORM_NAMES):
             raise ValueError(f"a quantized layer needs linears {LINEAR_NAMES} and norms {NORM_NAMES}, "
                              f"got {sorted(self.linears)} and {sorted(self.norms)}")
-        record_type = Int8Weight if self.precision == Precision.INT8 else Int4Weight
+        # INT4 may come from the host store already in this device's kernel layout (PackedInt4Weight).
+        record_types = (Int8Weight,) if self.precision == Precision.INT8 else (Int4Weight, PackedInt4Weight)
         for name, record in self.linears.items():
-            if not isinstance(record, record_type):
-                raise ValueError(f"{name} is {type(record).__name__}, expected {record_type.__name__} for {self.precision.value}")
+            if not isinstance(record, record_types):
+                raise ValueError(f"{name} is {type(record).__name__}, expected "
+                                 f"{' or '.join(t.__name__ for t in record_types)} for {self.precision.value}")
             record.check_integrity()
             bias = self.biases.get(name)
             if bias is not None and tuple(bias.shape) != (record.out_features,):

@@ -9,6 +9,7 @@ Canonical record (what the host store saves and the checkpoint loaders produce):
 The packed kernels (tinygemm) use another convention: w = (q - 8) * scale + zero_point, with
 scales_and_zeros [in/G, out, 2] in bf16. From the canonical form: scale = s, zero_point = (8 - z) * s.
 Resident bytes are the same on every backend: in*out/2 (codes) + 4 * out * in/G (bf16 scale and zero).
+The packed layouts, their keys and `PackedInt4Weight` (a linear's buffers, storable) are in int4_kernel.py.
 
 As for INT8 (see int8.py), the kernel path computes in bf16 whatever the activations' dtype: on CPU,
 2048x2048, one thread, `_weight_int4pack_mm_for_cpu` with fp32 activations took 15 ms (batch 16: 170 ms)
@@ -24,9 +25,12 @@ from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
 from engine.precision import Precision
-from engine.quant.int8 import KERNEL_DTYPE, kernel_works
+from engine.quant.int4_kernel import (KERNEL_GROUP_SIZES, PackedInt4Weight, kernel_codes, kernel_layout, kernel_mm,
+                                      layout_backend, pack_int4)
+from engine.quant.int8 import KERNEL_DTYPE
 
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
+__all__ = ["KERNEL_GROUP_SIZES", "Int4Linear", "Int4Weight", "PackedInt4Weight", "fake_quantize_int4",
+           "int4_group_size", "pack_int4", "pack_nibbles", "quantize_int4", "unpack_nibbles"]
 
 
 def int4_group_size(in_features: int, preferred: int = 128) -> int:
@@ -139,72 +143,31 @@ def fake_quantize_int4(weight: Tensor, group_size: int = 128) -> Tensor:
     return ((codes - zeros[..., None]) * scales[..., None]).reshape(weight.shape)
 
 
-def _scales_and_zeros(record: Int4Weight) -> Tensor:
-    """Canonical (s, z) -> tinygemm's [in/G, out, 2] (s, (8 - z) * s) in bf16."""
-    s = record.scales
-    zero_point = (8 - record.zeros.float()) * s
-    return torch.stack([s, zero_point], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
-
-
-def _pack_for_kernel(codes: Tensor, backend: str) -> Tensor:
-    """uint8 codes [out, in] -> the kernel's packed layout (opaque to us; see `Int4Linear.codes`)."""
-    if backend == "cpu":
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    # CUDA takes bytes with the even input index in the HIGH nibble; innerKTiles as large as K allows.
-    k = codes.shape[1]
-    inner = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
-    c = codes.to(torch.uint8)
-    return torch.ops.aten._convert_weight_to_int4pack((c[:, 0::2] << 4) | c[:, 1::2], inner)
-
-
-def _kernel_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
-    if packed.device.type == "cpu":
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
-    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
-
-
-def _kernel_codes(packed: Tensor, k: int, n: int, group_size: int) -> Tensor:
-    """Recover codes [n, k] from any packed layout: with scale 1 and zero point 8 the kernel's weight
-    is the code itself, so multiplying identity rows by it reads the codes back exactly."""
-    probe_sz = torch.zeros(k // group_size, n, 2, dtype=KERNEL_DTYPE, device=packed.device)
-    probe_sz[..., 0], probe_sz[..., 1] = 1.0, 8.0
-    eye = torch.eye(k, dtype=KERNEL_DTYPE, device=packed.device)
-    rows = [_kernel_mm(eye[i:i + 1024], packed, group_size, probe_sz) for i in range(0, k, 1024)]
-    return torch.cat(rows).t().round().to(torch.uint8)  # [k, n] -> [n, k]
-
-
-def _kernel_backend(device: torch.device, n: int, k: int, g: int) -> str:
-    """"cpu" / "cuda" when the packed kernel handles this shape on this device, else "dequant"."""
-    if g not in KERNEL_GROUP_SIZES or k % g:
-        return "dequant"
-    if device.type == "cpu" and n % 16 == 0:
-        return "cpu"
-    if device.type == "cuda" and n % 8 == 0 and k % 32 == 0:
-        def trial() -> bool:  # packs known codes and reads them back: checks op and nibble order
-            codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8, device=device)
-            return bool((_kernel_codes(_pack_for_kernel(codes, "cuda"), 64, 16, 32) == codes).all())
-        if kernel_works(f"int4:{device}", trial):
-            return "cuda"
-    return "dequant"
-
-
 class Int4Linear(nn.Module):
     """A linear with INT4 weights. Build it on the device it will run on: the packed layout is
     device-specific, so moving it afterwards is an error."""
 
     precision = Precision.INT4
 
-    def __init__(self, weight: Int4Weight, bias: Tensor | None = None):
+    def __init__(self, weight: Int4Weight | PackedInt4Weight, bias: Tensor | None = None):
+        """From a canonical record (packed here, on its device) or from already packed buffers (the
+        host store's fast path: nothing is copied or packed; the layout must be this device's)."""
         super().__init__()
-        weight.check_integrity()
-        n, k, g = weight.out_features, weight.in_features, weight.group_size
+        packed = weight if isinstance(weight, PackedInt4Weight) else pack_int4(weight)
+        packed.check_integrity()
+        n, k, g = packed.out_features, packed.in_features, packed.group_size
         self.in_features, self.out_features, self.group_size = k, n, g
         if bias is not None and tuple(bias.shape) != (n,):
             raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-        self.backend = _kernel_backend(weight.qweight.device, n, k, g)
-        packed = weight.qweight if self.backend == "dequant" else _pack_for_kernel(weight.codes(), self.backend)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", _scales_and_zeros(weight))
+        device = packed.packed.device
+        expected = kernel_layout(device, n, k, g)
+        if packed.layout != expected:
+            raise ValueError(f"INT4 weight packed as {packed.layout!r}, but this process packs a [{n}, {k}] weight on "
+                             f"{device} as {expected!r}; build it from the canonical Int4Weight instead")
+        self.layout = packed.layout  # the key of the packed bytes' layout (int4_kernel.kernel_layout)
+        self.backend = layout_backend(packed.layout)
+        self.register_buffer("packed", packed.packed)
+        self.register_buffer("scales_and_zeros", packed.scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def nbytes(self) -> int:
@@ -213,7 +176,7 @@ class Int4Linear(nn.Module):
     def codes(self) -> Tensor:
         if self.backend == "dequant":
             return unpack_nibbles(self.packed)
-        return _kernel_codes(self.packed, self.in_features, self.out_features, self.group_size)
+        return kernel_codes(self.packed, self.in_features, self.out_features, self.group_size)
 
     def dequantize(self) -> Tensor:
         """The reference path: [out, in] fp32 weights this layer applies, (q - 8) * s + zero_point."""
@@ -232,7 +195,7 @@ class Int4Linear(nn.Module):
             # x: [..., in] -> [tokens, in] in bf16 (the kernels' dtype); y: [tokens, out]
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
             sz = self.scales_and_zeros.to(KERNEL_DTYPE)  # no-op unless someone cast the module
-            y = _kernel_mm(x2, self.packed, self.group_size, sz)
+            y = kernel_mm(x2, self.packed, self.group_size, sz)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

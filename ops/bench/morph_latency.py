@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import RestoreLayer, SetQuantizedTarget, SwapLayer
 from engine.precision import Precision
+from engine.quant.int4_kernel import cpu_layout
 
 
 def rss_bytes() -> int:
@@ -117,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
                 "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "engine_start_s": round(start_s, 2),
                 "host_store": str(engine.morph_executor.swapper.store.path),
-                "host_store_build_s": engine.morph_executor.swapper.store.manifest.build_seconds},
+                "host_store_build_s": engine.morph_executor.swapper.store.manifest.build_seconds,
+                "int4_cpu_layout": cpu_layout()},  # INT4 swap-downs copy stored bytes in this layout
         "kv_capacity_blocks": engine.pool.capacity,
         "swap_int4": layer_swaps(engine, layers, Precision.INT4, args.repeats),
         "swap_int8": layer_swaps(engine, layers[:3], Precision.INT8, args.repeats),

@@ -1,0 +1,165 @@
+"""INT4 in a kernel's packed layout: which layout a device uses, packing into it, reading codes back.
+
+The tinygemm kernels take the weight in an opaque, device-specific layout. Re-packing the canonical
+codes (int4.py) into it is most of the cost of building an Int4Linear on CPU (SmolLM2 down_proj,
+576x1536: ~6.6 ms of a ~19 ms layer), so the host store also keeps each layer in the CPU layout and
+a swap-down only copies bytes. A stored layout is usable only where this process would produce the
+very same bytes, so every layout has a key:
+
+    "dequant"                                       canonical nibbles, no kernel (odd shapes)
+    "cpu:torch-<version>:<ISA>:inner1:<probe hash>"  _convert_weight_to_int4pack_for_cpu; the ISA
+                                                    matters (AVX512 packs 64 columns a block, AVX2 32)
+    "cuda:torch-<version>:sm<cc>:inner<t>"          _convert_weight_to_int4pack, innerKTiles t
+
+The probe hash fingerprints the CPU packing itself (a fixed code matrix packed in this process), so
+a build whose packing differs gets another key even if version and ISA agree.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from engine.quant.int8 import KERNEL_DTYPE, kernel_works
+
+if TYPE_CHECKING:
+    from engine.quant.int4 import Int4Weight
+
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
+DEQUANT_LAYOUT = "dequant"
+
+
+@functools.cache
+def cpu_layout() -> str:
+    """This process's CPU packing key (see the module docstring); computed once, < 1 ms."""
+    i = torch.arange(128).unsqueeze(1)
+    j = torch.arange(256).unsqueeze(0)
+    probe = (i * 7 + j * 13 + (i * j) // 5) % 16  # [n=128, k=256]: two 64-column blocks, every code
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe.to(torch.int32), 1)
+    digest = hashlib.sha256(packed.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:12]
+    return f"cpu:torch-{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:inner1:{digest}"
+
+
+def _cuda_inner_tiles(k: int) -> int:
+    return next(t for t in (8, 4, 2) if k % (16 * t) == 0)  # as large as K allows
+
+
+def _cuda_layout(device: torch.device, k: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"cuda:torch-{torch.__version__}:sm{major}{minor}:inner{_cuda_inner_tiles(k)}"
+
+
+def layout_backend(layout: str) -> str:
+    """"cpu" / "cuda" / "dequant": which matmul a layout feeds."""
+    return layout.split(":", 1)[0]
+
+
+def _pack_codes(codes: Tensor, backend: str) -> Tensor:
+    """uint8 codes [out, in] -> the kernel's packed layout (opaque to us; see `kernel_codes`)."""
+    if backend == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    # CUDA takes bytes with the even input index in the HIGH nibble.
+    c = codes.to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack((c[:, 0::2] << 4) | c[:, 1::2], _cuda_inner_tiles(codes.shape[1]))
+
+
+def kernel_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+    if packed.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
+
+
+def kernel_codes(packed: Tensor, k: int, n: int, group_size: int) -> Tensor:
+    """Recover codes [n, k] from any packed layout: with scale 1 and zero point 8 the kernel's weight
+    is the code itself, so multiplying identity rows by it reads the codes back exactly."""
+    probe_sz = torch.zeros(k // group_size, n, 2, dtype=KERNEL_DTYPE, device=packed.device)
+    probe_sz[..., 0], probe_sz[..., 1] = 1.0, 8.0
+    eye = torch.eye(k, dtype=KERNEL_DTYPE, device=packed.device)
+    rows = [kernel_mm(eye[i:i + 1024], packed, group_size, probe_sz) for i in range(0, k, 1024)]
+    return torch.cat(rows).t().round().to(torch.uint8)  # [k, n] -> [n, k]
+
+
+def kernel_layout(device: torch.device, n: int, k: int, g: int) -> str:
+    """The layout an Int4Linear of this shape uses on `device` (DEQUANT_LAYOUT when no kernel fits)."""
+    if g not in KERNEL_GROUP_SIZES or k % g:
+        return DEQUANT_LAYOUT
+    if device.type == "cpu" and n % 16 == 0:
+        return cpu_layout()
+    if device.type == "cuda" and n % 8 == 0 and k % 32 == 0:
+        def trial() -> bool:  # packs known codes and reads them back: checks op and nibble order
+            codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8, device=device)
+            return bool((kernel_codes(_pack_codes(codes, "cuda"), 64, 16, 32) == codes).all())
+        if kernel_works(f"int4:{device}", trial):
+            return _cuda_layout(device, k)
+    return DEQUANT_LAYOUT
+
+
+@dataclass(frozen=True)
+class PackedInt4Weight:
+    """One INT4 linear's weight exactly as Int4Linear holds it: built from these, a linear copies
+    nothing and packs nothing. Only valid where `kernel_layout` gives the same `layout`."""
+
+    packed: Tensor  # the layout's bytes: kernel-opaque, or canonical uint8 [out, in/2] for "dequant"
+    scales_and_zeros: Tensor  # bf16 [in/G, out, 2]: (s, (8 - z) * s), tinygemm's convention
+    group_size: int
+    layout: str
+
+    @property
+    def out_features(self) -> int:
+        return self.scales_and_zeros.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.scales_and_zeros.shape[0] * self.group_size
+
+    def check_integrity(self) -> None:
+        sz, g = self.scales_and_zeros, self.group_size
+        if sz.dtype != KERNEL_DTYPE or sz.dim() != 3 or sz.shape[2] != 2 or g <= 0:
+            raise ValueError(f"PackedInt4Weight.scales_and_zeros must be {KERNEL_DTYPE} [in/G, out, 2] with "
+                             f"group_size > 0, got {sz.dtype} {tuple(sz.shape)}, group_size {g}")
+        if self.packed.device != sz.device:
+            raise ValueError(f"PackedInt4Weight.packed is on {self.packed.device}, scales_and_zeros on {sz.device}")
+        n, k = self.out_features, self.in_features
+        if self.packed.numel() * self.packed.element_size() != n * k // 2:
+            raise ValueError(f"PackedInt4Weight.packed holds {self.packed.numel() * self.packed.element_size()} "
+                             f"bytes, a [{n}, {k}] INT4 weight needs {n * k // 2}")
+        if self.layout == DEQUANT_LAYOUT and (self.packed.dtype != torch.uint8 or tuple(self.packed.shape) != (n, k // 2)):
+            raise ValueError(f"a {DEQUANT_LAYOUT!r} PackedInt4Weight holds canonical uint8 [{n}, {k // 2}], "
+                             f"got {self.packed.dtype} {tuple(self.packed.shape)}")
+
+    def to_tensors(self, prefix: str = "") -> tuple[dict[str, Tensor], dict[str, str]]:
+        tensors = {f"{prefix}packed": self.packed.contiguous(), f"{prefix}scales_and_zeros": self.scales_and_zeros.contiguous()}
+        return tensors, {f"{prefix}format": "int4-packed", f"{prefix}group_size": str(self.group_size),
+                         f"{prefix}layout": self.layout}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], metadata: dict[str, str], prefix: str = "") -> PackedInt4Weight:
+        fmt = metadata.get(f"{prefix}format")
+        if fmt != "int4-packed":
+            raise ValueError(f"{prefix or 'record'} is stored as {fmt!r}, not int4-packed")
+        record = cls(packed=tensors[f"{prefix}packed"], scales_and_zeros=tensors[f"{prefix}scales_and_zeros"],
+                     group_size=int(metadata[f"{prefix}group_size"]), layout=metadata[f"{prefix}layout"])
+        record.check_integrity()
+        return record
+
+
+def _scales_and_zeros(record: Int4Weight) -> Tensor:
+    """Canonical (s, z) -> tinygemm's [in/G, out, 2] (s, (8 - z) * s) in bf16."""
+    s = record.scales
+    zero_point = (8 - record.zeros.float()) * s
+    return torch.stack([s, zero_point], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+
+
+def pack_int4(record: Int4Weight) -> PackedInt4Weight:
+    """A canonical record -> the layout its device uses (the record's tensors' device)."""
+    record.check_integrity()
+    n, k, g = record.out_features, record.in_features, record.group_size
+    layout = kernel_layout(record.qweight.device, n, k, g)
+    backend = layout_backend(layout)
+    packed = record.qweight if backend == DEQUANT_LAYOUT else _pack_codes(record.codes(), backend)
+    return PackedInt4Weight(packed=packed, scales_and_zeros=_scales_and_zeros(record), group_size=g, layout=layout)
+
