@@ -1,0 +1,66 @@
+"""MorphServe's LLMEngine as an offline-throughput backend (a worker of ops/bench/throughput.py).
+
+    python -m ops.bench.ours_offline --model-dir HF_DIR --threads 2 --max-model-len 2048 --kv-gib 1
+
+Every request is added, then step() runs until none is unfinished: continuous batching and chunked
+prefill exactly as served. The memory budget is the model's bf16 weights + the KV space (--kv-gib)
++ the activation reserve, like vLLM's KV space setting; KV pages untouched by a run never become
+resident. Morphing is off: this measures the full-precision engine.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ops.bench.offline_worker import serve, worker_args
+
+_GIB = 2**30
+_WEIGHT_HEADROOM_GIB = 1.0  # above the KV space: covers the weights and the activation reserve of small models
+
+
+class OursBackend:
+    def __init__(self, model_dir: str, threads: int, max_model_len: int, kv_gib: float,
+                 max_num_batched_tokens: int | None):
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+
+        extra = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
+        self.config = EngineConfig(model=model_dir, dtype="bf16", num_threads=threads, max_model_len=max_model_len,
+                                   memory_budget=int((kv_gib + _WEIGHT_HEADROOM_GIB) * _GIB),
+                                   enable_morphing=False, max_num_seqs=256, **extra)
+        self.engine = LLMEngine(self.config)
+        self._batch = 0
+        plan = self.engine.memory_plan
+        self._info = {"backend": "ours", "torch": torch.__version__, "dtype": "bf16", "threads": threads,
+                      "max_num_seqs": self.config.max_num_seqs,
+                      "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                      "block_size": self.config.block_size, "kv_capacity_blocks": plan.capacity,
+                      "memory_budget_bytes": self.config.memory_budget_bytes}
+
+    def info(self) -> dict:
+        return self._info
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[int]:
+        from engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self._batch += 1
+        ids = [f"b{self._batch}-r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.engine.add_request(rid, list(prompt), params)
+        counts = dict.fromkeys(ids, 0)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                counts[out.request_id] += len(out.token_ids)
+        return [counts[rid] for rid in ids]
+
+
+def main() -> None:
+    args = worker_args(__doc__.splitlines()[0])
+    serve(lambda: OursBackend(args.model_dir, args.threads, args.max_model_len, args.kv_gib,
+                              args.max_num_batched_tokens))
+
+
+if __name__ == "__main__":
+    main()
