@@ -1,0 +1,156 @@
+"""One (system, repeat) of the benchmark: start the server fresh, warm it up, configure it, replay the
+workload while sampling its status, stop it. Returns the SystemRun the report needs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ops.bench.loadgen import LoadGenConfig, LoadRequest, ServerSample, replay
+from ops.bench.report import SystemRun
+from ops.bench.server_process import ServerProcess, ServerStartError, free_port, http_get, http_post_json
+from ops.bench.systems import (BudgetPlan, SystemSpec, morphserve_app_args, morphserve_command, morphserve_status,
+                               serve_config, vllm_command, vllm_env, vllm_status_parser)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What every run shares (settings chosen once in run_all)."""
+    hf_dir: str
+    served_name: str
+    plan: BudgetPlan
+    out_dir: Path
+    start_deadline_s: float
+    drain_s: float  # how long after the last arrival requests may still finish
+    threads: int
+    vllm_python: str
+    status_interval_s: float = 0.5
+
+
+def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], ctx: RunContext) -> SystemRun:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = ctx.out_dir / "logs" / f"{spec.name}.r{repeat}.log"
+    token = secrets.token_hex(16)
+    command, env = _launch(spec, port, token, ctx, log.with_suffix(".config.json"))
+    started = time.monotonic()
+    with ServerProcess(command, log, env=env, cwd=REPO) as server:
+        ready_url = f"{base}/v1/models"
+        server.wait_ready(ready_url, ctx.start_deadline_s)
+        _warm_up(base, ctx.served_name)
+        if spec.kind == "morphserve":
+            _configure(base, token, spec, ctx.served_name, ctx.start_deadline_s)
+        _log(f"  {spec.name} r{repeat}: ready and configured in {time.monotonic() - started:.0f} s; replaying "
+             f"{len(requests)} requests")
+        result, samples = _replay(spec, base, token, requests, ctx)
+    ok = sum(r.ok for r in result.records)
+    _log(f"  {spec.name} r{repeat}: {ok}/{len(result.records)} ok in {result.duration_s:.0f} s; "
+         f"total {time.monotonic() - started:.0f} s")
+    return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples))
+
+
+def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_path: Path) -> tuple[list[str], dict]:
+    threads = {"OMP_NUM_THREADS": str(ctx.threads)}
+    if spec.kind == "vllm":
+        return (vllm_command(ctx.vllm_python, ctx.hf_dir, port, ctx.plan, ctx.served_name),
+                {**vllm_env(ctx.threads), "PYTHONPATH": ""})
+    args = morphserve_app_args(spec, ctx.plan, ctx.hf_dir, token)
+    args["served_model_name"] = ctx.served_name
+    args["engine"]["num_threads"] = ctx.threads
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(json.dumps(serve_config(args, port), indent=1), encoding="utf-8")
+    serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
+    # The token is in the config file (logs/ of this run's folder), never on a command line.
+    return morphserve_command(serve_bin, str(config_path)), {**threads, "PYTHONPATH": str(REPO)}
+
+
+def _warm_up(base: str, model: str) -> None:
+    """One tiny request, so a first-call cost (lazy init, kernel selection) is not in the first TTFT."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                       "temperature": 0.0})
+    status, text = http_post_json(f"{base}/v1/chat/completions", body, timeout_s=300)
+    if status != 200:
+        raise ServerStartError(f"warm-up request failed: HTTP {status}: {text[:300]}")
+
+
+def _configure(base: str, token: str, spec: SystemSpec, model: str, deadline_s: float) -> None:
+    """Send the spec's admin updates, then wait until the pinned layer count is reached (swaps happen
+    at step boundaries, so tiny requests keep the engine stepping meanwhile)."""
+    auth = {"Authorization": f"Bearer {token}"}
+    for update in spec.admin_updates():
+        status, text = http_post_json(f"{base}/admin/morph", json.dumps(update), auth)
+        if status != 200:
+            raise ServerStartError(f"POST /admin/morph {update} -> HTTP {status}: {text[:300]}")
+    if spec.pin_int4_layers is None:
+        return
+    end = time.monotonic() + deadline_s
+    while True:
+        status, text = http_get(f"{base}/admin/morph", auth)
+        if status == 200 and morphserve_status(text).get("quantized_layers") == spec.pin_int4_layers:
+            return
+        if time.monotonic() > end:
+            raise ServerStartError(f"{spec.name}: {spec.pin_int4_layers} INT4 layers not reached in {deadline_s:g} s "
+                                   f"(last status {text[:300]})")
+        _warm_up(base, model)  # keeps the engine stepping so pending swaps are applied
+
+
+def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequest], ctx: RunContext):
+    last = max((r.scheduled_s for r in requests), default=0.0)
+    config = LoadGenConfig(base_url=base, model=ctx.served_name, api="chat", deadline_s=last + ctx.drain_s,
+                           status_url=f"{base}/metrics" if spec.kind == "vllm" else None,
+                           status_interval_s=ctx.status_interval_s,
+                           status_parser=vllm_status_parser() if spec.kind == "vllm" else None)
+    if spec.kind == "vllm":
+        result = replay(requests, config)
+        return result, list(result.samples)
+    # /admin/morph needs the bearer token, which the load generator's sampler does not send: sample it
+    # here, on the same clock (the load generator's zero = its call time + start_delay_s, to within
+    # the ms its session setup takes).
+    sampler = _AdminSampler(f"{base}/admin/morph", token, ctx.status_interval_s)
+    sampler.start(time.perf_counter() + config.start_delay_s)
+    try:
+        result = replay(requests, config)
+    finally:
+        samples = sampler.stop()
+    return result, samples
+
+
+class _AdminSampler:
+    def __init__(self, url: str, token: str, interval_s: float):
+        self.url, self.headers, self.interval_s = url, {"Authorization": f"Bearer {token}"}, interval_s
+        self.samples: list[ServerSample] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, t0: float) -> None:
+        self._thread = threading.Thread(target=self._run, args=(t0,), daemon=True)
+        self._thread.start()
+
+    def _run(self, t0: float) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            try:
+                status, body = http_get(self.url, self.headers, timeout_s=5.0)
+                if status == 200:
+                    self.samples.append(ServerSample(t_s=started - t0, values=morphserve_status(body)))
+            except (OSError, ValueError):
+                pass  # a missed sample is a gap in the plot, not a failed run
+            self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - started)))
+
+    def stop(self) -> list[ServerSample]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        return list(self.samples)
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)

@@ -1,0 +1,253 @@
+"""The systems under test, the shared memory budget, and how each one is started and observed.
+
+Every system serves the same Hugging Face folder (the default model's, from engine.loader) in bf16
+on 127.0.0.1 under one memory budget B = bf16 weights + activation reserve + KV. MorphServe gets
+B as its `memory_budget`; vLLM gets the same KV bytes (B - weights - reserve) through
+`--kv-cache-memory-bytes`, because VLLM_CPU_KVCACHE_SPACE counts whole GiB and would round our
+tens of MiB of KV up to 1 GiB (see `vllm_env`).
+
+Pure parts (specs, command lines, budget arithmetic, the interleaving schedule, status parsing) live
+here and are unit-tested; starting and stopping processes lives in server_process.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+from typing import Literal, Mapping, Sequence
+
+from ops.bench import BenchmarkInputError
+from ops.bench.loadgen import parse_json_status, prometheus_status_parser
+
+BF16_BYTES = 2
+MIB = 2**20
+
+STATIC_FP = "morphserve-static-fp"
+STATIC_INT4 = "morphserve-static-int4"
+VLLM = "vllm-cpu"
+ALL_SYSTEMS = (STATIC_FP, STATIC_INT4, "morphserve-accuracy", "morphserve-balanced", "morphserve-performance", VLLM)
+QUICK_SYSTEMS = (STATIC_FP, STATIC_INT4, "morphserve-balanced", VLLM)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the budget arithmetic needs from a Hugging Face folder (config.json + safetensors headers)."""
+    hf_dir: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int  # stored tensors (tied embeddings counted once, as they are resident once)
+
+    def kv_bytes_per_token(self, elem: int = BF16_BYTES) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+
+    def weight_bytes(self, elem: int = BF16_BYTES) -> int:
+        return self.num_params * elem
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str | Path) -> "ModelFacts":
+        path = Path(hf_dir)
+        try:
+            cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise BenchmarkInputError(f"{path}/config.json is unreadable ({e}); pass a Hugging Face model folder") from None
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise BenchmarkInputError(f"{path} has no *.safetensors file; pass a Hugging Face model folder")
+        heads = cfg["num_attention_heads"]
+        return cls(hf_dir=str(path), num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                   intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+                   num_kv_heads=cfg.get("num_key_value_heads", heads),
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   num_params=sum(_safetensors_params(f) for f in files))
+
+
+def _safetensors_params(path: Path) -> int:
+    """Element count of every tensor in a safetensors file, from its JSON header only."""
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    total = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        n = 1
+        for d in info["shape"]:
+            n *= d
+        total += n
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """B = weights + reserve + kv (bf16). kv holds `kv_sequences` full-length sequences at full precision."""
+    budget_bytes: int
+    weight_bytes: int
+    reserve_bytes: int
+    kv_bytes: int  # what B leaves for KV with every layer in bf16 (static FP, and vLLM's KV)
+    kv_bytes_per_token: int
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv_bytes // (self.kv_bytes_per_token * self.block_size)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+    def check_integrity(self) -> None:
+        if self.weight_bytes + self.reserve_bytes + self.kv_bytes != self.budget_bytes:
+            raise AssertionError("weights + reserve + kv != budget")
+        if self.kv_tokens < self.max_model_len:
+            raise AssertionError("the full-precision KV cannot hold one max-length sequence")
+
+    def describe(self) -> str:
+        return (f"{self.budget_bytes / MIB:.1f} MiB = bf16 weights {self.weight_bytes / MIB:.1f} MiB + activation "
+                f"reserve {self.reserve_bytes / MIB:.1f} MiB (max_num_batched_tokens {self.max_num_batched_tokens} x "
+                f"(hidden + intermediate + vocab) x 2 B) + KV {self.kv_bytes / MIB:.2f} MiB "
+                f"({self.kv_blocks} blocks of {self.block_size} tokens = {self.kv_tokens} tokens at "
+                f"{self.kv_bytes_per_token} B/token in full precision; more when layers are quantized)")
+
+    def describe_vllm(self, vllm_block: int, vllm_tokens: int) -> str:
+        return (f"vLLM: --kv-cache-memory-bytes {self.kv_bytes} (the same KV bytes), block size {vllm_block} "
+                f"(its CPU attention needs a multiple of 32), so {vllm_tokens} KV tokens vs {self.kv_tokens}")
+
+
+def plan_budget(facts: ModelFacts, max_model_len: int, kv_sequences: float, block_size: int = 16,
+                max_num_batched_tokens: int = 512, weight_bytes: int | None = None) -> BudgetPlan:
+    """The budget that leaves KV for `kv_sequences` sequences of `max_model_len` tokens at full
+    precision, rounded up to whole MiB (the extra bytes go to KV). `weight_bytes`: what the engine's
+    ledger counts (it adds the RoPE tables to the stored tensors); default: the stored tensors."""
+    if max_model_len < block_size or kv_sequences < 1:
+        raise BenchmarkInputError(f"max_model_len={max_model_len}, kv_sequences={kv_sequences}: need "
+                                  f"max_model_len >= block_size ({block_size}) and kv_sequences >= 1")
+    reserve = max_num_batched_tokens * (facts.hidden_size + facts.intermediate_size + facts.vocab_size) * BF16_BYTES
+    per_token = facts.kv_bytes_per_token()
+    kv_min = -(-int(kv_sequences * max_model_len) // block_size) * block_size * per_token
+    weights = facts.weight_bytes() if weight_bytes is None else weight_bytes
+    budget = -(-(weights + reserve + kv_min) // MIB) * MIB
+    plan = BudgetPlan(budget_bytes=budget, weight_bytes=weights, reserve_bytes=reserve,
+                      kv_bytes=budget - weights - reserve, kv_bytes_per_token=per_token, block_size=block_size,
+                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+    plan.check_integrity()
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    kind: Literal["morphserve", "vllm"]
+    description: str
+    enable_morphing: bool = True  # EngineConfig.enable_morphing (False: no KV headroom is reserved)
+    mode: str | None = None  # the policy mode of a dynamic system
+    pin_int4_layers: int | None = None  # static INT4: pinned through POST /admin/morph after start
+
+    def admin_updates(self) -> tuple[dict, ...]:
+        """POST /admin/morph bodies to send once the server is ready, in order."""
+        if self.pin_int4_layers is not None:
+            return ({"quantized_layers": self.pin_int4_layers, "precision": "int4"},)
+        return ()
+
+
+def system_specs(names: Sequence[str], num_layers: int) -> tuple[SystemSpec, ...]:
+    known = {s.name: s for s in _all_specs(num_layers)}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise BenchmarkInputError(f"unknown system(s) {unknown or '(none given)'}; choose from {', '.join(ALL_SYSTEMS)}")
+    if len(set(names)) != len(names):
+        raise BenchmarkInputError(f"systems {list(names)} repeat a name; name each system once")
+    return tuple(known[n] for n in names)
+
+
+def _all_specs(num_layers: int) -> tuple[SystemSpec, ...]:
+    dynamic = tuple(SystemSpec(f"morphserve-{m}", "morphserve", f"MorphServe dynamic, {m} mode", mode=m)
+                    for m in ("accuracy", "balanced", "performance"))
+    return (SystemSpec(STATIC_FP, "morphserve", "MorphServe, morphing off (all layers bf16)", enable_morphing=False),
+            SystemSpec(STATIC_INT4, "morphserve", f"MorphServe, all {num_layers} layers pinned to INT4",
+                       pin_int4_layers=num_layers),
+            *dynamic,
+            SystemSpec(VLLM, "vllm", "vLLM CPU build, bf16, same KV bytes"))
+
+
+def interleaved_schedule(systems: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, system) in run order: repeat r runs the systems rotated left by r, so each system
+    takes every position (early/late, after any neighbour) across repeats."""
+    if repeats < 1 or not systems:
+        raise BenchmarkInputError(f"repeats={repeats}, systems={list(systems)}: need >= 1 repeat and >= 1 system")
+    n = len(systems)
+    return [(r, systems[(r + i) % n]) for r in range(repeats) for i in range(n)]
+
+
+def morphserve_app_args(spec: SystemSpec, plan: BudgetPlan, model: str, admin_token: str,
+                        max_num_seqs: int = 64) -> dict:
+    """The `args:` of the serve config (deployments/app_args.py: AppArgs): one replica, bf16, CPU."""
+    if spec.kind != "morphserve":
+        raise BenchmarkInputError(f"{spec.name} is not a MorphServe system")
+    return {"model": model, "memory_budget": plan.budget_bytes, "dtype": "bf16", "device": "cpu",
+            "mode": spec.mode or "balanced", "num_replicas": 1, "admin_token": admin_token,
+            "engine": {"enable_morphing": spec.enable_morphing, "block_size": plan.block_size,
+                       "max_model_len": plan.max_model_len, "max_num_seqs": max_num_seqs,
+                       "max_num_batched_tokens": plan.max_num_batched_tokens}}
+
+
+def serve_config(app_args: Mapping, port: int) -> dict:
+    """A Serve config (written as JSON, which YAML reads) so each run gets its own HTTP port."""
+    return {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+            "applications": [{"name": "morphserve", "route_prefix": "/", "import_path": "deployments:build_app",
+                              "args": dict(app_args)}]}
+
+
+def morphserve_command(serve_bin: str, config_path: str) -> list[str]:
+    # --address local: a private Ray instance per run, never another engineer's cluster.
+    return [serve_bin, "run", "--address", "local", config_path]
+
+
+VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes block sizes that are multiples of 32
+
+
+def vllm_block_size(plan: BudgetPlan) -> int:
+    return -(-plan.block_size // VLLM_CPU_BLOCK_MULTIPLE) * VLLM_CPU_BLOCK_MULTIPLE
+
+
+def vllm_kv_tokens(plan: BudgetPlan) -> int:
+    """vLLM's KV capacity from the same bytes: whole blocks of vllm_block_size tokens (rounded down)."""
+    block = vllm_block_size(plan)
+    return plan.kv_bytes // (plan.kv_bytes_per_token * block) * block
+
+
+def vllm_command(python_bin: str, hf_dir: str, port: int, plan: BudgetPlan, served_name: str) -> list[str]:
+    return [python_bin, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
+            "--served-model-name", served_name, "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(plan.max_model_len), "--block-size", str(vllm_block_size(plan)),
+            "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
+            "--kv-cache-memory-bytes", str(plan.kv_bytes)]
+
+
+def vllm_env(threads: int) -> dict[str, str]:
+    """VLLM_CPU_KVCACHE_SPACE stays unset: it is read as whole GiB (int), so our KV would round up
+    to 1 GiB; --kv-cache-memory-bytes gives vLLM exactly the KV bytes of the others."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+# Values the report's timeline plots look for, from each server's status body.
+_MORPHSERVE_KEYS = {"kv_usage": "pressure.kv_usage", "kv_capacity_blocks": "morph_state.kv_capacity_blocks",
+                    "quantized_layers": "morph_state.num_quantized", "preemptions_total": "pressure.preemptions_total"}
+VLLM_METRICS = {"kv_usage": "vllm:kv_cache_usage_perc", "preemptions_total": "vllm:num_preemptions_total"}
+
+
+def morphserve_status(body: str) -> dict[str, float]:
+    """GET /admin/morph (deployments/replica.py: admin_status) -> the plot's names."""
+    flat = parse_json_status(body)
+    return {key: flat[path] for key, path in _MORPHSERVE_KEYS.items() if path in flat}
+
+
+def vllm_status_parser():
+    return prometheus_status_parser(VLLM_METRICS)

@@ -1,0 +1,181 @@
+"""The benchmark runner's pure parts: system specs, command lines, budget arithmetic, the interleaving
+schedule, status parsing, goal checks, and process cleanup (a real child process, no server)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ops.bench import BenchmarkInputError
+from ops.bench.bench_settings import BenchConfig, goal_lines, workload_spec
+from ops.bench.metrics import spread
+from ops.bench.run_all import bench_config, parse_args
+from ops.bench.server_process import ServerProcess, ServerStartError, free_port, session_pids
+from ops.bench.systems import (ALL_SYSTEMS, MIB, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4, VLLM, ModelFacts,
+                               interleaved_schedule, morphserve_app_args, morphserve_command, morphserve_status,
+                               plan_budget, serve_config, system_specs, vllm_command, vllm_env, vllm_kv_tokens,
+                               vllm_status_parser)
+
+
+@pytest.fixture()
+def facts(tmp_path) -> ModelFacts:
+    cfg = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256,
+           "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"embed": torch.zeros(256, 64, dtype=torch.bfloat16), "w": torch.zeros(10, 7)},
+              str(tmp_path / "model.safetensors"))
+    return ModelFacts.from_hf_dir(tmp_path)
+
+
+def test_model_facts_read_from_headers(facts):
+    assert facts.num_params == 256 * 64 + 70
+    assert facts.head_dim == 16 and facts.num_kv_heads == 2
+    assert facts.kv_bytes_per_token() == 4 * 2 * 2 * 16 * 2  # layers x (k|v) x heads x dim x bf16
+
+
+def test_model_facts_reject_a_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(BenchmarkInputError, match="safetensors"):
+        ModelFacts.from_hf_dir(tmp_path)
+
+
+def test_budget_adds_up_and_rounds_to_mib(facts):
+    plan = plan_budget(facts, max_model_len=64, kv_sequences=2, block_size=16, max_num_batched_tokens=32)
+    assert plan.budget_bytes % MIB == 0
+    assert plan.weight_bytes + plan.reserve_bytes + plan.kv_bytes == plan.budget_bytes
+    assert plan.reserve_bytes == 32 * (64 + 128 + 256) * 2
+    assert plan.kv_tokens >= 2 * 64  # at least the asked sequences; rounding only adds KV
+    assert plan.kv_tokens % 16 == 0
+
+
+def test_budget_rejects_nonsense(facts):
+    with pytest.raises(BenchmarkInputError, match="kv_sequences"):
+        plan_budget(facts, max_model_len=64, kv_sequences=0)
+
+
+def test_specs_in_the_given_order_with_their_settings():
+    specs = system_specs([VLLM, STATIC_INT4, STATIC_FP, "morphserve-accuracy"], num_layers=30)
+    assert [s.name for s in specs] == [VLLM, STATIC_INT4, STATIC_FP, "morphserve-accuracy"]
+    assert specs[1].admin_updates() == ({"quantized_layers": 30, "precision": "int4"},)
+    assert specs[2].enable_morphing is False and specs[2].admin_updates() == ()
+    assert specs[3].mode == "accuracy" and specs[3].enable_morphing
+
+
+@pytest.mark.parametrize("names", [["nope"], [], [STATIC_FP, STATIC_FP]])
+def test_specs_reject_unknown_empty_or_repeated(names):
+    with pytest.raises(BenchmarkInputError):
+        system_specs(names, num_layers=4)
+
+
+def test_schedule_rotates_so_every_system_takes_every_position():
+    systems = ("a", "b", "c")
+    schedule = interleaved_schedule(systems, repeats=3)
+    assert len(schedule) == 9
+    rounds = [[s for r, s in schedule if r == k] for k in range(3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    positions = Counter((i, s) for rnd in rounds for i, s in enumerate(rnd))
+    assert all(positions[(i, s)] == 1 for i in range(3) for s in systems)
+    with pytest.raises(BenchmarkInputError):
+        interleaved_schedule(systems, repeats=0)
+
+
+def test_morphserve_args_and_config(facts):
+    plan = plan_budget(facts, max_model_len=64, kv_sequences=2)
+    fp, int4, bal = system_specs([STATIC_FP, STATIC_INT4, "morphserve-balanced"], facts.num_layers)
+    args = morphserve_app_args(fp, plan, "/m", "secret")
+    assert args["memory_budget"] == plan.budget_bytes and args["dtype"] == "bf16" and args["num_replicas"] == 1
+    assert args["engine"]["enable_morphing"] is False and args["engine"]["max_model_len"] == 64
+    assert morphserve_app_args(bal, plan, "/m", "t")["mode"] == "balanced"
+    assert morphserve_app_args(int4, plan, "/m", "t")["engine"]["enable_morphing"] is True
+    cfg = serve_config(args, 8123)
+    assert cfg["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert cfg["applications"][0]["import_path"] == "deployments:build_app"
+    assert morphserve_command("serve", "/c.json") == ["serve", "run", "--address", "local", "/c.json"]
+    with pytest.raises(BenchmarkInputError):
+        morphserve_app_args(system_specs([VLLM], 4)[0], plan, "/m", "t")
+
+
+def test_morphserve_args_are_valid_app_args(facts):
+    from deployments.app_args import parse_app_args
+
+    plan = plan_budget(facts, max_model_len=64, kv_sequences=2)
+    for spec in system_specs(ALL_SYSTEMS[:-1], facts.num_layers):
+        parsed = parse_app_args(morphserve_app_args(spec, plan, facts.hf_dir, "t"))
+        assert parsed.engine_config().memory_budget_bytes == plan.budget_bytes
+
+
+def test_vllm_gets_the_same_kv_bytes(facts):
+    plan = plan_budget(facts, max_model_len=64, kv_sequences=2)
+    cmd = vllm_command("/py", "/m", 9000, plan, "tiny")
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(plan.kv_bytes)
+    assert cmd[cmd.index("--port") + 1] == "9000" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(2)
+    # Its CPU attention needs blocks of a multiple of 32 tokens: capacity rounds down to whole blocks.
+    assert cmd[cmd.index("--block-size") + 1] == "32"
+    assert vllm_kv_tokens(plan) % 32 == 0 and plan.kv_tokens - 32 < vllm_kv_tokens(plan) <= plan.kv_tokens
+
+
+def test_status_parsers_map_onto_the_plot_names():
+    body = json.dumps({"morph_state": {"num_quantized": 7, "kv_capacity_blocks": 90},
+                       "pressure": {"kv_usage": 0.5, "preemptions_total": 3}})
+    assert morphserve_status(body) == {"quantized_layers": 7, "kv_capacity_blocks": 90, "kv_usage": 0.5,
+                                       "preemptions_total": 3}
+    metrics = ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n"
+               "# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name=\"m\"} 2.0\n")
+    assert vllm_status_parser()(metrics) == {"kv_usage": 0.25, "preemptions_total": 2.0}
+
+
+def test_quick_and_full_configs():
+    quick = bench_config(parse_args(["--quick"]))
+    assert quick.repeats == 1 and quick.systems == QUICK_SYSTEMS
+    full = bench_config(parse_args(["--repeats", "4", "--window-s", "10", "--systems", VLLM, STATIC_FP]))
+    assert full.repeats == 4 and full.window_s == 10 and full.systems == (VLLM, STATIC_FP)
+    assert workload_spec(full).window_s == 10
+    with pytest.raises(BenchmarkInputError):
+        BenchConfig(repeats=0)
+
+
+def _row(p95, violations, reduction=None):
+    return {"ttft_s.p95": spread([p95]), "slo_violations": spread([violations]),
+            "loss_reduction_vs_int4_full": spread([reduction])}
+
+
+def test_goal_lines_judge_the_medians():
+    table = {STATIC_FP: _row(10.0, 50), STATIC_INT4: _row(2.0, 5), "morphserve-balanced": _row(2.5, 5, 0.8),
+             VLLM: _row(3.0, 20)}
+    text = "\n".join(goal_lines(table, {}))
+    assert "4.00x lower, 90% fewer violations -> REACHED" in text
+    assert "quality loss 80% lower, P95 TTFT 1.25x of INT4's -> REACHED" in text
+    assert "P95 TTFT 2.5 s vs 3 s, violations 5 vs 20 -> REACHED" in text
+    table["morphserve-balanced"] = _row(6.0, 30, 0.5)
+    assert "REACHED" not in "\n".join(goal_lines(table, {}))
+
+
+def test_server_process_cleans_up_its_whole_session(tmp_path):
+    # A parent that starts a child which ignores SIGINT: both must be gone after stop().
+    script = ("import subprocess, sys, time, signal\n"
+              "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)'])\n"
+              "time.sleep(120)\n")
+    server = ServerProcess([sys.executable, "-c", script], tmp_path / "log.txt")
+    with server:
+        sid = server.proc.pid
+        deadline = time.monotonic() + 20
+        while len(session_pids(sid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the child to exist, not a timing assumption
+        assert len(session_pids(sid)) == 2
+        with pytest.raises(ServerStartError, match="not ready"):
+            server.wait_ready(f"http://127.0.0.1:{free_port()}/health", deadline_s=0.5, poll_s=0.1)
+    assert session_pids(sid) == []
+
+
+def test_server_process_reports_an_early_exit(tmp_path):
+    with ServerProcess([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "log.txt") as server:
+        server.proc.wait()
+        with pytest.raises(ServerStartError, match="exited"):
+            server.wait_ready(f"http://127.0.0.1:{free_port()}/health", deadline_s=30)
