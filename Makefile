@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-quick prepare chat clean-venv
+.PHONY: venv run test bench bench-quick bench-throughput prepare chat clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +35,19 @@ prepare: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests
 
+# The side-by-side trace replay; vLLM's CPU build (the peer) goes into its own venv, .venv-vllm.
 bench: $(STAMP)
+	bash ops/bench/setup_vllm.sh
 	$(PY) -m ops.bench.run_all
 
 bench-quick: $(STAMP)
+	bash ops/bench/setup_vllm.sh
 	$(PY) -m ops.bench.run_all --quick
+
+# Offline tokens/s and peak RSS: this engine, Hugging Face generate, vLLM.
+bench-throughput: $(STAMP)
+	bash ops/bench/setup_vllm.sh
+	$(PY) -m ops.bench.throughput
 
 clean-venv:
 	rm -rf $(VENV)
