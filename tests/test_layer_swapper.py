@@ -5,27 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import RestoreLayer, SwapLayer
 from engine.precision import Precision
+from tests.morph_helpers import engine_for, one_thread  # noqa: F401 (one_thread is a fixture)
 from engine.sampling_params import SamplingParams
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors on a shared 2-core box: two torch threads spend most of their time synchronising.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def engine_for(model_dir, cache_dir, **overrides) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="fp32", memory_budget="32MiB", max_model_len=64, block_size=4,
-               reserve="1MiB", seed=0, cache_dir=str(cache_dir))
-    cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))
 
 
 def exact_budget_engine(model_dir, cache_dir, blocks: int, **overrides) -> LLMEngine:

@@ -7,30 +7,15 @@ import json
 import os
 
 import pytest
-import torch
 
-from engine.config import EngineConfig
 from engine.errors import BudgetError, ModelLoadError
-from engine.llm_engine import LLMEngine
 from engine.morph.host_store import layer_file_name
 from engine.morph.swap_order import SwapOrder, load_swap_order, resolve_swap_order
 from engine.precision import Precision
+from tests.morph_helpers import engine_for, one_thread  # noqa: F401 (one_thread is a fixture)
 from tests.test_host_store import _awq_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def engine_for(model_dir, cache_dir, **overrides) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="fp32", memory_budget="32MiB", max_model_len=64, block_size=4,
-               reserve="1MiB", seed=0, cache_dir=str(cache_dir))
-    cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_profile(path, **fields):

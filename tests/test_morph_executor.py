@@ -5,33 +5,22 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import RestoreLayer, SetQuantizedTarget, SwapLayer
 from engine.precision import Precision
+from tests.morph_helpers import engine_for, one_thread  # noqa: F401 (one_thread is a fixture)
 from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 F32, I8, I4 = Precision.FP32, Precision.INT8, Precision.INT4
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = {f"r{i}": [3 + i, 17, 42 + i, 9, 100 + 3 * i, 7] for i in range(4)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: a second thread only adds synchronisation on a shared box
-    yield
-    torch.set_num_threads(before)
-
-
-def engine_for(model_dir, cache_dir, **overrides) -> LLMEngine:
-    cfg = dict(model=str(model_dir), dtype="fp32", memory_budget="32MiB", max_model_len=64, block_size=4,
-               reserve="1MiB", seed=0, cache_dir=str(cache_dir))
-    cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))
 
 
 def profile_file(tmp_path, order, num_layers=4):

@@ -155,7 +155,7 @@ def _markdown(results: BenchResults, table: dict[str, dict[str, Spread]], plots:
     lines = [f"# {s.title}", "", "Every cell: median over repeats, [min–max] when they differ.", "",
              "## Settings", "", f"- model: {s.model}", f"- memory budget: {s.memory_budget}",
              f"- TTFT SLO: {s.slo_ttft_s:g} s (failed requests count as violations)",
-             f"- workload: {s.workload}", f"- repeats: " + ", ".join(f"{k} x{v}" for k, v in repeats.items()),
+             f"- workload: {s.workload}", "- repeats: " + ", ".join(f"{k} x{v}" for k, v in repeats.items()),
              f"- quality reference: {s.full_precision_system}; loss-reduction baseline: {s.static_int4_system}",
              "- quality loss: vs full = 1 - ROUGE-L(system, full); vs reference = ROUGE-L(full, ref) - "
              "ROUGE-L(system, ref); reduction = 1 - loss(system) / loss(static INT4)"]
