@@ -19,17 +19,16 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from filelock import FileLock, Timeout
 from safetensors import SafetensorError, safe_open
 
 from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path
+from engine.cache_lock import exclusive_build
 from engine.errors import ModelLoadError
 from engine.gguf_convert import convert_gguf, is_complete
 from engine.model_config import ModelConfig
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
-_CONVERT_LOCK_TIMEOUT_S = 1800.0  # a big GGUF on a slow disk; beyond this something is stuck
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,21 +61,13 @@ def _converted(gguf_path: Path, model_dir: Path) -> Path:
     hf_dir = model_dir / "hf"
     if is_complete(hf_dir):
         return hf_dir
-    try:
-        model_dir.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(model_dir / "convert.lock"), timeout=_CONVERT_LOCK_TIMEOUT_S):
-            if not is_complete(hf_dir):  # another process may have finished meanwhile
-                # Leftovers: a crashed conversion's temp siblings, a folder of an older converter format.
-                shutil.rmtree(hf_dir, ignore_errors=True)
-                for stale in model_dir.glob(".hf.tmp-*"):
-                    shutil.rmtree(stale, ignore_errors=True)
-                convert_gguf(gguf_path, hf_dir)
-    except Timeout:
-        raise ModelLoadError(f"waited {_CONVERT_LOCK_TIMEOUT_S:.0f}s for another process converting {gguf_path}; "
-                             f"if none is running, delete {model_dir / 'convert.lock'}") from None
-    except PermissionError as e:
-        raise ModelLoadError(f"cannot write the converted model under {model_dir} ({e}); set cache_dir "
-                             f"(or $MORPHSERVE_CACHE) to a writable folder") from e
+    with exclusive_build(model_dir, "convert.lock", f"the conversion of {gguf_path}"):
+        if not is_complete(hf_dir):  # another process may have finished meanwhile
+            # Leftovers: a crashed conversion's temp siblings, a folder of an older converter format.
+            shutil.rmtree(hf_dir, ignore_errors=True)
+            for stale in model_dir.glob(".hf.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            convert_gguf(gguf_path, hf_dir)
     return hf_dir
 
 

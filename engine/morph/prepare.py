@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
 from engine.batch import ScheduledChunk
+from engine.cache_lock import exclusive_build
 from engine.errors import ModelLoadError
 from engine.layers.linear import DenseLinear, tensor_nbytes
 from engine.model import Transformer
@@ -41,7 +41,6 @@ from engine.quant.checkpoints import load_int4_layer, open_int4_checkpoint
 from engine.quant.int4_kernel import cpu_layout
 
 CALIBRATION_TEXT = Path(os.environ.get("MORPHSERVE_CALIBRATION_TEXT", "/work/shared/text/wikitext-2-valid.txt"))
-_LOCK_TIMEOUT_S = 1800.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,26 +232,18 @@ def ensure_host_store(model: Transformer, spec: StoreSpec, cache_dir: Path, toke
     final = root / fp
     if (final / MANIFEST).is_file():
         return HostStore(final)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(root / f"{fp}.lock"), timeout=_LOCK_TIMEOUT_S):
-            if not (final / MANIFEST).is_file():  # another replica may have finished meanwhile
-                for stale in root.glob(f".tmp-{fp}-*"):
-                    shutil.rmtree(stale, ignore_errors=True)
-                shutil.rmtree(final, ignore_errors=True)  # a folder without manifest is a crashed build
-                tmp = root / f".tmp-{fp}-{os.getpid()}"
-                try:
-                    build_store(model, spec, tmp, method, ids, fp)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
-                os.rename(tmp, final)
-    except Timeout:
-        raise ModelLoadError(f"waited {_LOCK_TIMEOUT_S:.0f}s for another process building {final}; if none "
-                             f"is running, delete {root / (fp + '.lock')}") from None
-    except PermissionError as e:
-        raise ModelLoadError(f"cannot write the host store under {root} ({e}); set cache_dir (or "
-                             f"$MORPHSERVE_CACHE) to a writable folder") from e
+    with exclusive_build(root, f"{fp}.lock", f"the host store {final}"):
+        if not (final / MANIFEST).is_file():  # another replica may have finished meanwhile
+            for stale in root.glob(f".tmp-{fp}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # a folder without manifest is a crashed build
+            tmp = root / f".tmp-{fp}-{os.getpid()}"
+            try:
+                build_store(model, spec, tmp, method, ids, fp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            os.rename(tmp, final)
     return HostStore(final)
 
 
