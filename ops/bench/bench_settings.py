@@ -21,7 +21,7 @@ class BenchConfig:
     systems: tuple[str, ...] = ("morphserve-static-fp", "morphserve-static-int4", "morphserve-accuracy",
                                 "morphserve-balanced", "morphserve-performance", "vllm-cpu")
     repeats: int = 3
-    window_s: float = 12.0  # 18 runs of ~2 min (server start included) keep `make bench` under an hour
+    window_s: float = 8.0  # 18 runs took 30 min here (server starts included): `make bench` stays under an hour
     time_scale: float = 2.0
     prompt_scale: float = 1 / 8
     prompt_range: tuple[int, int] = (16, 256)

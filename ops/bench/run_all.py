@@ -36,7 +36,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, short window, 4 systems (a few minutes)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats per system (default 3; --quick: 1)")
-    ap.add_argument("--window-s", type=float, default=None, help="trace window in seconds (default 12; --quick: 8)")
+    ap.add_argument("--window-s", type=float, default=None, help="trace window in seconds (default 8)")
     ap.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS, help="systems to run, in order")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default ops/bench/results/<timestamp>)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
