@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.layers.attention import AttentionMetadata, paged_attention
-from engine.layers.linear import DenseLinear, Linear, tensor_nbytes
+from engine.layers.linear import DenseLinear, Linear, fuse_dense, tensor_nbytes
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -67,6 +67,23 @@ class DecoderLayer(nn.Module):
         for name in NORM_NAMES:
             weight = torch.empty(config.hidden_size, dtype=dtype, device=device)
             setattr(self, name, RMSNorm(weight, config.rms_norm_eps))
+        self._fuse()
+
+    def _fuse(self) -> None:
+        """q/k/v -> one matmul, gate/up -> one matmul, when each group is all DenseLinear (fewer, larger
+        matmuls are faster on CPU). The 7 linears stay what get_linears() returns; the fused weights
+        share their storage (see fuse_dense), so memory and the ledger's bytes are unchanged. A quantized
+        or mixed group runs its linears one by one."""
+        # Plain (weight, bias) tuples, not modules or buffers: their storage is the linears' own, counted once.
+        self._qkv = fuse_dense([self.q_proj, self.k_proj, self.v_proj])
+        self._gate_up = fuse_dense([self.gate_proj, self.up_proj])
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .half() move each linear's view on its own, which unties them from the fused
+        # tensors: fuse again (a copy) so the fast path sees the moved weights.
+        out = super()._apply(fn, recurse)
+        self._fuse()
+        return out
 
     def get_linears(self) -> dict[str, Linear]:
         return {n: getattr(self, n) for n in LINEAR_NAMES}
@@ -93,6 +110,7 @@ class DecoderLayer(nn.Module):
                                      f"got {tuple(norm_weights[name].shape)}")
         for name in LINEAR_NAMES:
             setattr(self, name, linears[name])
+        self._fuse()
         if norm_weights is not None:
             for name in NORM_NAMES:
                 getattr(self, name).set_weight(norm_weights[name])
@@ -107,17 +125,26 @@ class DecoderLayer(nn.Module):
 
     def attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                   meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
-        t = x.shape[0]
-        # One matmul per projection over every token of the step, decodes and prefill chunks alike.
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        # One matmul over every token of the step, decodes and prefill chunks alike.
+        if self._qkv is not None:
+            qkv = F.linear(x, *self._qkv).view(t, hq + 2 * hkv, d)  # [T, Hq | Hkv | Hkv, D]
+            qk = rope.rotate(qkv[:, :hq + hkv], positions)  # q and k side by side: one rotation
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+        else:
+            q = self.q_proj(x).view(t, hq, d)  # [T, Hq, D]
+            k = self.k_proj(x).view(t, hkv, d)  # [T, Hkv, D]
+            v = self.v_proj(x).view(t, hkv, d)
+            q, k = rope(q, k, positions)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(t, hq * d))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is not None:
+            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)  # [T, I] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Transformer(nn.Module):

@@ -98,8 +98,9 @@ class ModelRunner:
         # Pad with block 0 (any valid id would do): those keys are masked out.
         tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in decodes]
         key_pos = torch.arange(width * block_size, device=self.device)
-        mask = key_pos[None, :] < self._long(lengths)[:, None]  # [B, S]
-        return DecodeBatch(len(decodes), self._long(tables), mask[:, None, None, :])
+        padding = key_pos[None, :] >= self._long(lengths)[:, None]  # [B, S]
+        bias = torch.zeros(padding.shape, dtype=torch.float32, device=self.device).masked_fill_(padding, float("-inf"))
+        return DecodeBatch(len(decodes), self._long(tables), bias[:, None, None, :])
 
     def _prefill_chunks(self, prefills: list[ScheduledChunk], first_row: int,
                         block_size: int) -> tuple[PrefillChunk, ...]:

@@ -8,9 +8,10 @@ One step runs a flat batch of T tokens (every scheduled chunk concatenated). The
 and builds an `AttentionMetadata` once per step; every layer reuses it. Per layer:
 
   1. write K/V of all T new tokens into their slots:   k_cache[block, offset] = k   (one index_put_)
-  2. decodes: gather each request's blocks by its block table into a padded [B, S, Hkv, D],
-     mask the padding, one SDPA call; GQA by folding each kv head's group of query heads into
-     the query-length axis (a kv head serves num_heads // num_kv_heads q heads)
+  2. decodes: gather each request's blocks by its block table into a padded [B*Hkv, S, D], one bmm
+     for the scores, -inf on the padding, fp32 softmax, one bmm for the output; GQA by folding each
+     kv head's group of query heads into the query-row axis (a kv head serves num_heads // num_kv_heads
+     q heads)
   3. prefill chunks: a chunk at start_pos 0 attends causally to its own fresh K/V (no gather); a later
      chunk (chunked prefill) gathers its context [0, end_pos) from the cache and masks causally with
      its offset: query at position start_pos + i sees keys at positions <= start_pos + i.
@@ -32,7 +33,8 @@ class DecodeBatch:
     """The one-token chunks of a step; they are rows [0, num_tokens) of the flat batch."""
     num_tokens: int
     block_tables: torch.Tensor  # [B, max_blocks_per_req] long, padded with a valid id (masked out)
-    key_mask: torch.Tensor  # [B, 1, 1, max_blocks_per_req * block_size] bool: key position < context length
+    key_bias: torch.Tensor  # [B, 1, 1, max_blocks_per_req * block_size] fp32: 0 where key position <
+    #                         context length, -inf on the padding (added to the scores before softmax)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +73,21 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       d: DecodeBatch, scale: float) -> torch.Tensor:
     """q: [B, Hq, D] -> [B, Hq, D]."""
     b, hq, dim = q.shape
-    keys = _gather(k_cache, d.block_tables).transpose(1, 2)  # [B, Hkv, S, D]
-    values = _gather(v_cache, d.block_tables).transpose(1, 2)
-    hkv = keys.shape[1]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    # One [S, D] matrix per (request, kv head), contiguous, so two bmm calls cover the whole batch.
+    keys = _gather(k_cache, d.block_tables).transpose(1, 2).reshape(b * hkv, -1, dim)  # [B*Hkv, S, D]
+    values = _gather(v_cache, d.block_tables).transpose(1, 2).reshape(b * hkv, -1, dim)
+    s = keys.shape[1]
     # GQA by folding: the hq // hkv query heads that share a kv head become that head's "query rows"
     # (q head h uses kv head h // group, as in HF). One query token has no causal structure, so this is
-    # exact, and it is several times faster on CPU than enable_gqa with a one-row query.
-    q = q.view(b, hkv, hq // hkv, dim)  # [B, Hkv, group, D]
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
-                                         attn_mask=d.key_mask, scale=scale)
-    return out.reshape(b, hq, dim)
+    # exact. Why bmm and not SDPA: with 1-3 query rows SDPA's per-(request, head) tiling costs several
+    # times the arithmetic on CPU; bmm + softmax over the padded keys is one call each for the batch.
+    scores = torch.bmm(q.reshape(b * hkv, group, dim), keys.to(q.dtype).transpose(1, 2))  # [B*Hkv, g, S]
+    # Softmax in fp32 (as HF's eager attention), padding keys at -inf.
+    scores = torch.add(d.key_bias, scores.view(b, hkv, group, s), alpha=scale)  # fp32 [B, Hkv, g, S]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b * hkv, group, s)
+    return torch.bmm(probs, values.to(q.dtype)).view(b, hq, dim)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -9,11 +9,14 @@ Every linear a decoder layer holds, whatever its precision, is an `nn.Module` th
 
 `DenseLinear` (here) is the full-precision one; `Int8Linear` / `Int4Linear` (engine/quant/) implement
 the same, so the morph executor can swap a layer's linears without the model knowing. A linear owns
-its tensors outright: no sharing, no tying, so dropping the module really frees its memory (the one
-exception, a tied lm_head, is decided by the model, not here).
+its tensors outright: no sharing, no tying, so dropping the module really frees its memory (the
+exceptions are decided by the model, not here: a tied lm_head, and `fuse_dense`, which makes a decoder
+layer's q/k/v and gate/up weights row slices of one tensor so each group is one matmul; the layer
+always replaces all of them together, so the shared tensor is freed with them).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -71,3 +74,55 @@ class DenseLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, precision={self.precision.value}")
+
+
+def _adjacent_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The contiguous tensor that `parts` tile exactly, in order, as row slices; else None."""
+    base = parts[0]._base
+    if base is None or not base.is_contiguous() or base.shape[1:] != parts[0].shape[1:]:
+        return None
+    ptr, row_bytes = base.data_ptr(), (base[0].numel() if base.dim() > 1 else 1) * base.element_size()
+    for p in parts:
+        if p._base is not base or not p.is_contiguous() or p.data_ptr() != ptr:
+            return None
+        ptr += p.shape[0] * row_bytes
+    return base if sum(p.shape[0] for p in parts) == base.shape[0] else None
+
+
+def _fuse_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    # Reuse the tensor they already tile (a restore of this layer's own saved linears): no copy.
+    fused = _adjacent_rows(parts)
+    if fused is None:
+        with torch.no_grad():
+            fused = torch.cat(list(parts), dim=0)
+    return fused
+
+
+FusedWeight = tuple[torch.Tensor, torch.Tensor | None]  # (weight [sum of out_features, in], bias or None)
+
+
+def fuse_dense(linears: Sequence[Linear]) -> FusedWeight | None:
+    """(weight, bias) for one F.linear computing `linears` side by side (outputs concatenated), or None
+    when they cannot be fused: not all DenseLinear, different dtype / device / in_features, bias on some only.
+
+    The given linears are re-pointed to row slices of the fused weight (and bias), so memory does not
+    grow, `nbytes()` of each stays exact and the values are bit-identical; writing into their weights
+    (the loader fills them in place) writes into the fused tensor."""
+    if not linears or not all(type(lin) is DenseLinear for lin in linears):
+        return None
+    first = linears[0].weight
+    if any(lin.weight.dtype != first.dtype or lin.weight.device != first.device
+           or lin.in_features != linears[0].in_features for lin in linears):
+        return None
+    biased = {lin.bias is not None for lin in linears}
+    if len(biased) != 1:
+        return None
+    weight = _fuse_rows([lin.weight for lin in linears])
+    bias = _fuse_rows([lin.bias for lin in linears]) if biased == {True} else None
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = weight[row:row + n]
+        lin.bias = None if bias is None else bias[row:row + n]
+        row += n
+    return weight, bias

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -19,8 +20,7 @@ class RMSNorm(nn.Module):
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        # Why fp32: the mean of squares overflows / loses precision in bf16 and fp16.
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Why fp32: the mean of squares overflows / loses precision in bf16 and fp16. torch's fused
+        # rms_norm computes x * rsqrt(mean(x^2) + eps) in one kernel instead of five.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -43,11 +43,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     raise ModelLoadError(f"rope scaling type {kind!r} is not supported; MorphServe supports default, linear and llama3")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Holds cos/sin for every position up to `max_positions`, in the model dtype."""
 
@@ -61,9 +56,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
         self.max_positions = max_positions
+        self._looked_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each [T, 1, D], for rotate(). Every layer of a step rotates at the same
+        positions tensor, so the lookup is done once per step: keyed by the identity of that tensor (held,
+        so no other can take its identity) and of the cos table (`.to()` replaces it)."""
+        hit = self._looked_up
+        if hit is None or hit[0] is not positions or hit[1] is not self.cos:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
+            half = sin.shape[-1] // 2
+            # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): negating the table instead of x
+            # is exact and saves one op per call.
+            signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            hit = self._looked_up = (positions, self.cos, cos, signed)
+        return hit[2], hit[3]
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] (any heads: q, k, or both side by side), positions: [T] long -> rotated x."""
+        cos, signed_sin = self._tables(positions)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] long -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.rotate(q, positions), self.rotate(k, positions)
