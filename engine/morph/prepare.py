@@ -40,7 +40,10 @@ from engine.quant.awq import LayerCalibration, LayerWeights, awq_quantize_layer,
 from engine.quant.checkpoints import load_int4_layer, open_int4_checkpoint
 from engine.quant.int4_kernel import cpu_layout
 
-CALIBRATION_TEXT = Path(os.environ.get("MORPHSERVE_CALIBRATION_TEXT", "/work/shared/text/wikitext-2-valid.txt"))
+# WikiText-2 lies in the shared data folder beside the repository (../shared/text); the variable moves it.
+CALIBRATION_TEXT = Path(os.environ.get(
+    "MORPHSERVE_CALIBRATION_TEXT",
+    Path(__file__).resolve().parents[3] / "shared" / "text" / "wikitext-2-valid.txt"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,12 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_profiler(config, files, out: Path) -> int:
-    try:
-        from engine.morph import profiler
-    except ImportError:
-        print("--profile: engine/morph/profiler.py is not available in this build; the swap order stays "
-              "front-to-back (or the committed profile)", file=sys.stderr)
-        return 1
+    from engine.morph import profiler  # imported here: profiler imports this module
+
     profiler.main(["--model", str(config.model), "--group-size", str(config.int4_group_size), "--out", str(out)])
     print(f"profile written to {out}")
     return 0

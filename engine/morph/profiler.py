@@ -37,13 +37,14 @@ import torch.nn.functional as F
 from engine.layers.attention import AttentionMetadata, PrefillChunk
 from engine.model import Transformer
 from engine.model_config import ModelConfig
+from engine.morph.prepare import CALIBRATION_TEXT
 from engine.precision import Precision, parse_dtype
 from engine.quant.awq import (LayerCalibration, LayerWeights, QuantizedLayer, awq_quantize_layer, quantize_layer_rtn,
                               record_calibration)
 
 logger = logging.getLogger(__name__)
 WEIGHTS = (0.25, 0.25, 0.5)  # LTS, LRS, MDS
-DEFAULT_TEXT = Path("/work/shared/text/wikitext-2-valid.txt")
+DEFAULT_TEXT = CALIBRATION_TEXT  # ../shared/text/wikitext-2-valid.txt beside the repository
 # Quantizes layer p to INT4 given its full-precision weights and calibration activations.
 Quantizer = Callable[[int, LayerWeights, LayerCalibration], QuantizedLayer]
 
