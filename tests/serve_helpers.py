@@ -78,6 +78,18 @@ def kill_controller(ray, name: str, namespace: str) -> None:
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
 
 
+@contextlib.contextmanager
+def serve_app(args: dict[str, Any], include_dashboard: bool = False) -> Iterator[tuple[Any, str]]:
+    """A local cluster running the app for `args`; yields (ray, base URL). The detached controller
+    named in `args` outlives Serve, so it is killed at the end (a later module starts its own)."""
+    with ray_cluster(include_dashboard) as ray:
+        try:
+            with deployed(args) as url:
+                yield ray, url
+        finally:
+            kill_controller(ray, args["controller_name"], args["controller_namespace"])
+
+
 def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
          timeout_s: float = 120.0) -> tuple[int, Any]:
     """(status, parsed JSON body or text) without raising on 4xx/5xx; (0, reason) when unreachable."""

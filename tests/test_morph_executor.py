@@ -30,9 +30,9 @@ def profile_file(tmp_path, order, num_layers=4):
     return path
 
 
-def generate(engine: LLMEngine, prompts=PROMPTS, between_steps=None) -> dict[str, list[int]]:
+def generate(engine: LLMEngine, prompts=PROMPTS, between_steps=None, params=GREEDY) -> dict[str, list[int]]:
     for rid, p in prompts.items():
-        engine.add_request(rid, p, GREEDY)
+        engine.add_request(rid, p, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     step = 0
     while engine.has_unfinished():
@@ -138,18 +138,10 @@ def test_default_model_morphs_mid_generation_and_comes_back_exact(default_model_
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
     def run(actions=None) -> dict[str, list[int]]:
-        for rid, p in prompts.items():
-            engine.add_request(rid, p, params)
-        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-        step = 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens[out.request_id].extend(out.token_ids)
-            step += 1
+        def between(step: int) -> None:
             if actions and step in actions:
                 assert engine.apply(actions[step]).status == "done"
-            engine.check_integrity()
-        return tokens
+        return generate(engine, prompts, between, params)
 
     store = engine.morph_executor.swapper.store
     assert store.manifest.int4_method == "awq" and store.manifest.dtype == "bf16"

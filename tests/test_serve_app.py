@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from engine.errors import InvalidRequestError
-from tests.serve_helpers import CHAT_PROMPT, deployed, http, kill_controller, ray_cluster
+from tests.serve_helpers import CHAT_PROMPT, http, serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY, ADMIN = "sk-test-key", "admin-test-token"
@@ -96,13 +96,9 @@ def test_autoscaling_gets_the_morph_aware_policy_and_counts_scale_out_requests()
 
 @pytest.fixture(scope="module")
 def app_url():
-    with ray_cluster() as ray:
-        try:
-            with deployed({"api_key": API_KEY, "admin_token": ADMIN, "memory_budget": "600MiB",
-                           "engine": {"max_model_len": 1024}, **CONTROLLER}) as url:
-                yield url
-        finally:
-            kill_controller(ray, CONTROLLER["controller_name"], CONTROLLER["controller_namespace"])
+    with serve_app({"api_key": API_KEY, "admin_token": ADMIN, "memory_budget": "600MiB",
+                    "engine": {"max_model_len": 1024}, **CONTROLLER}) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")

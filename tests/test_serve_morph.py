@@ -230,14 +230,10 @@ MORPH_ARGS = {
 
 @pytest.fixture(scope="module")
 def morph_app():
-    from tests.serve_helpers import deployed, kill_controller, ray_cluster
+    from tests.serve_helpers import serve_app
 
-    with ray_cluster() as ray:
-        try:
-            with deployed(MORPH_ARGS) as url:
-                yield ray, url
-        finally:
-            kill_controller(ray, CONTROLLER["controller_name"], CONTROLLER["controller_namespace"])
+    with serve_app(MORPH_ARGS) as (ray, url):
+        yield ray, url
 
 
 def _chat(url: str, i: int, max_tokens: int = 24) -> tuple[int, dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_helpers import admin_status, deployed, http, kill_controller, ray_cluster, until
+from tests.serve_helpers import admin_status, http, serve_app, until
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,12 +56,8 @@ def _admin(url: str, change: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def app():
-    with ray_cluster() as ray:
-        try:
-            with deployed(ARGS) as url:
-                yield ray, url
-        finally:
-            kill_controller(ray, CONTROLLER["controller_name"], CONTROLLER["controller_namespace"])
+    with serve_app(ARGS) as (ray, url):
+        yield ray, url
 
 
 def test_every_dashboard_query_returns_series(app, tmp_path):
