@@ -18,6 +18,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 500: "server_error", 503: "overloaded_error"}
 
 
+
+def _unix_now() -> int:
+    """OpenAI's `created`: unix seconds."""
+    return int(time.time())
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -236,7 +241,7 @@ class CompletionResponse(BaseModel):
     """Both the whole answer and a stream chunk (OpenAI uses the same object type for both)."""
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_now)
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
@@ -257,7 +262,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_now)
     model: str
     choices: list[ChatChoice]
     usage: Usage
@@ -282,7 +287,7 @@ class ChatStreamChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_now)
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
