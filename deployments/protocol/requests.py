@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response bodies (pydantic) and the OpenAI error body.
+"""OpenAI request bodies (pydantic): /v1/completions, /v1/chat/completions, and POST /admin/morph.
 
 Requests are strict about types ("0.5" is not a number) and ignore unknown fields, as OpenAI and
 vLLM do; features the engine does not have (n > 1, best_of, logprobs, tools, penalties) are refused
@@ -6,49 +6,12 @@ with a message that names them rather than silently ignored.
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.engine_client import GenerateChunk
-from engine.outputs import FinishReason
+from deployments.protocol.errors import UnsupportedFeature
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 500: "server_error", 503: "overloaded_error"}
-
-
-
-def _unix_now() -> int:
-    """OpenAI's `created`: unix seconds."""
-    return int(time.time())
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param,
-                         code=code if code is not None else status)
-    return ErrorResponse(error=detail).model_dump()
-
-
-class UnsupportedFeature(ValueError):
-    """A well-formed request asks for something this server does not do (-> 400 naming `param`)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
-
-
-# ---- requests ----------------------------------------------------------------------------------
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -215,150 +178,3 @@ class MorphAdminRequest(BaseModel):
     morphing_enabled: bool | None = None
     quantized_layers: int | None = Field(None, ge=0)
     precision: Literal["int8", "int4"] | None = None
-
-
-# ---- responses ---------------------------------------------------------------------------------
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    """Both the whole answer and a stream chunk (OpenAI uses the same object type for both)."""
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_unix_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_unix_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_none(self, handler):  # OpenAI sends {"content": "..."} and a final {}, not nulls
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_unix_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "morphserve"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# ---- engine chunks -> OpenAI bodies (the ingress streams or collects, these only format) --------
-
-def completion_body(rid: str, model: str, text: str, last: GenerateChunk) -> dict:
-    choice = CompletionChoice(text=text, finish_reason=last.finish_reason or "abort")
-    usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens)
-    return CompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
-
-
-def chat_body(rid: str, model: str, text: str, last: GenerateChunk) -> dict:
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason or "abort")
-    usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens)
-    return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
-
-
-def completion_stream_renderer(rid: str, model: str, include_usage: bool) -> Callable[[GenerateChunk], list[dict]]:
-    created = int(time.time())
-    exclude = None if include_usage else {"usage"}  # OpenAI: "usage": null on every chunk only when asked
-
-    def render(chunk: GenerateChunk) -> list[dict]:
-        out = []
-        if chunk.text or chunk.finish_reason:
-            choice = CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)
-            out.append(CompletionResponse(id=rid, created=created, model=model, choices=[choice]).model_dump(exclude=exclude))
-        if chunk.finish_reason and include_usage:
-            usage = Usage.of(chunk.num_prompt_tokens, chunk.num_output_tokens)
-            out.append(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump())
-        return out
-
-    return render
-
-
-def chat_stream_renderer(rid: str, model: str, include_usage: bool) -> Callable[[GenerateChunk], list[dict]]:
-    """First chunk: the assistant role; then content deltas; then an empty delta with finish_reason;
-    then, when asked, a chunk with no choices and the usage (OpenAI's order)."""
-    created, started = int(time.time()), [False]
-    exclude = None if include_usage else {"usage"}
-
-    def make(delta: ChatDelta | None, finish: str | None = None, usage: Usage | None = None) -> dict:
-        choices = [] if delta is None else [ChatStreamChoice(delta=delta, finish_reason=finish)]
-        chunk = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
-        return chunk.model_dump(exclude=None if usage else exclude)
-
-    def render(chunk: GenerateChunk) -> list[dict]:
-        out = []
-        if not started[0]:
-            started[0] = True
-            out.append(make(ChatDelta(role="assistant", content="")))
-        if chunk.text:
-            out.append(make(ChatDelta(content=chunk.text)))
-        if chunk.finish_reason:
-            out.append(make(ChatDelta(), chunk.finish_reason))
-            if include_usage:
-                out.append(make(None, usage=Usage.of(chunk.num_prompt_tokens, chunk.num_output_tokens)))
-        return out
-
-    return render
