@@ -197,9 +197,8 @@ class ServeMetrics:
         self.kv_capacity.set(state.kv_capacity_blocks, self._t())
 
     def count_action(self, result: ActionResult) -> None:
-        """Count a finished action: one swap per layer changed, one resize per KV change."""
-        if result.status != "done":
-            return
+        """Count what an action did, whatever its status (a target still "waiting" may have moved layers
+        this step): one swap per layer changed, one resize per KV change."""
         if result.layers_changed and result.weight_bytes_delta != 0:
             down = result.weight_bytes_delta < 0
             self.actions.inc(len(result.layers_changed), self._t(kind="swap_down" if down else "restore"))

@@ -3,8 +3,9 @@
 Every `interval_s` it takes a fresh pressure snapshot and morph state at a step boundary (so the
 snapshot's clock moves on while the replica idles, and the policy can see a quiet period), reports
 them through the ControllerClient (the fleet's directive, or the local policy's while the controller
-is unreachable), turns the directive into one SetQuantizedTarget unless it is a no-op, hands that
-to the engine, and updates the replica's metrics.
+is unreachable), turns the directive into one SetQuantizedTarget unless it is a no-op or the engine
+already works on it, hands that to the engine, and updates the replica's metrics from what the
+engine reports it did (its morph log), not from differences between states.
 
 Operator pins (POST /admin/morph) override the directive:
   * quantized_layers=N (+ precision): hold exactly N layers low, whatever the pressure;
@@ -72,7 +73,7 @@ class LoopRecord:
 class MorphLoop:
     def __init__(self, engine: Any, client: ControllerClient, metrics: ServeMetrics, *, interval_s: float = 0.25,
                  max_layers_per_step: int = 2, set_fleet_mode: SetFleetMode | None = None):
-        """`engine`: an AsyncLLMEngine (run_at_step_boundary, apply)."""
+        """`engine`: an AsyncLLMEngine (run_at_step_boundary, apply, morph_results_since)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.engine, self.client, self.metrics = engine, client, metrics
@@ -81,9 +82,9 @@ class MorphLoop:
         self.pins = AdminPins()
         self.last: LoopRecord | None = None
         self.rounds = 0
-        self.action_counts: dict[str, int] = {}  # ActionResult status -> how many
+        self.action_counts: dict[str, int] = {}  # ActionResult status -> how many (the engine's morph log)
         self._task: asyncio.Task | None = None
-        self._after: MorphState | None = None  # the state right after the last round
+        self._cursor = 0  # position in the engine's morph log already counted
         self._rejected: SetQuantizedTarget | None = None
 
     # -- the loop ----------------------------------------------------------------------------
@@ -120,7 +121,7 @@ class MorphLoop:
 
     async def run_once(self) -> LoopRecord:
         snapshot, state = await self.observe()
-        self._count_moves_between_rounds(state)
+        self._count_engine_results()
         self.metrics.set_pressure(snapshot)
         self.metrics.set_morph_state(state)
         directive = await self.client.report(snapshot, state)
@@ -130,36 +131,21 @@ class MorphLoop:
         result = None
         if action is not None:
             result = await self.engine.apply(action)
-            # A target reached over several steps answers "waiting" for the layers it did move.
-            moved = result.status == "waiting" and bool(result.layers_changed or result.kv_blocks_delta)
-            self.metrics.count_action(dataclasses.replace(result, status="done") if moved else result)
-            self.action_counts[result.status] = self.action_counts.get(result.status, 0) + 1
             if result.status == "rejected":
                 self._rejected = action
                 log.warning("engine rejected %s: %s", action, result.message)
-            _, state = await self.observe()
-        self._after = state
+            self._count_engine_results()
         self.rounds += 1
         self.last = LoopRecord(snapshot.time, directive, action, result)
         return self.last
 
-    def _count_moves_between_rounds(self, state: MorphState) -> None:
-        """Count what the engine did on its own since the last round: an unfinished target keeps
-        moving `max_layers_per_step` layers at every step boundary. (Latencies come only from the
-        results of the actions this loop applied; these moves add to the counters alone.)"""
-        before, self._after = self._after, None
-        if before is None or len(before.layer_precisions) != len(state.layer_precisions):
-            return
-        tags = {"model_name": self.metrics.model_name}
-        pairs = list(zip(before.layer_precisions, state.layer_precisions))
-        downs = sum(1 for a, b in pairs if b.bits < a.bits)
-        ups = sum(1 for a, b in pairs if b.bits > a.bits)
-        for kind, n in (("swap_down", downs), ("restore", ups)):
-            if n:
-                self.metrics.actions.inc(n, {**tags, "kind": kind})
-        grown = state.kv_capacity_blocks - before.kv_capacity_blocks
-        if grown:
-            self.metrics.actions.inc(1, {**tags, "kind": "kv_grow" if grown > 0 else "kv_shrink"})
+    def _count_engine_results(self) -> None:
+        """Count what the morph executor did since the last look: the results of the actions this
+        loop applied and of every step boundary that continued them (the engine's morph log)."""
+        self._cursor, results = self.engine.morph_results_since(self._cursor)
+        for result in results:
+            self.metrics.count_action(result)
+            self.action_counts[result.status] = self.action_counts.get(result.status, 0) + 1
 
     def action_for(self, directive: Directive, state: MorphState) -> SetQuantizedTarget | None:
         """The directive (or the operator's pin) as an engine action; None when nothing would change."""
@@ -175,8 +161,8 @@ class MorphLoop:
         action = directive.to_action(self.max_layers_per_step)
         if action == self._rejected:  # the engine said it cannot; do not ask again every round
             return None
-        # Sent again even when pending: the engine only works on a pending target at step
-        # boundaries, and an idle engine takes no steps, so restores after a burst come from here.
+        if action in state.pending:  # the engine is on it (it keeps stepping while idle until done)
+            return None
         return action
 
     async def _assert_mode(self, directive: Directive) -> None:

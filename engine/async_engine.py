@@ -4,8 +4,14 @@
     generate() --(add command, future)-->        runs commands at a step boundary, then step()
     async for out  <--call_soon_threadsafe--     outputs, per request, into that request's queue
 
-The thread sleeps on a Condition while there is neither work nor a command (no polling). Every
-engine call happens on the thread, so the engine needs no locks; the loop never blocks on a step.
+The thread sleeps on a Condition while there is neither work nor a command (no polling); work is a
+running request, or unfinished morph work while something changed since the last step boundary (a
+target that moves k layers per step keeps stepping an idle engine until it is reached; a restore
+waiting for blocks is retried after the step that finished their requests, not in a busy loop). Every engine call happens on the
+thread, so the engine needs no locks; the loop never blocks on a step.
+
+What the morph executor did (results of apply() and of every step boundary) goes into a bounded log;
+a reader keeps a cursor: `morph_results_since(cursor) -> (cursor, results)`.
 A consumer that stops iterating (or is cancelled: client disconnect) aborts its request at once,
 freeing its blocks. A step that raises fails only the requests in it; the loop keeps serving.
 """
@@ -19,8 +25,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
-from engine.llm_engine import LLMEngine, StepFailed
+from engine.errors import EngineDeadError, StepFailed
+from engine.llm_engine import LLMEngine
 from engine.morph.actions import ActionResult, MorphAction, MorphState
 from engine.outputs import RequestOutput
 from engine.pressure import PressureSnapshot
@@ -41,10 +47,19 @@ def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 morph_log_len: int = 1024):
+        """`morph_log_len`: how many recent morph results are kept for morph_results_since()."""
         if (config is None) == (engine is None):
             raise ValueError("pass exactly one of config or engine")
+        if morph_log_len < 1:
+            raise ValueError(f"morph_log_len must be at least 1, got {morph_log_len}")
         self.engine = engine if engine is not None else LLMEngine(config)
+        self._morph_log: collections.deque[tuple[int, ActionResult]] = collections.deque(maxlen=morph_log_len)
+        self._morph_seq = 0
+        # Something changed since the last step boundary (a command ran, a step moved layers or
+        # produced tokens, which may have freed blocks): pending morph work is worth another step.
+        self._morph_moving = False
         self._cond = threading.Condition()
         self._commands: collections.deque[Command] = collections.deque()
         self._sinks: dict[str, Callable[[Any], None]] = {}  # touched only by the stepping thread
@@ -79,6 +94,18 @@ class AsyncLLMEngine:
     def morph_state(self) -> MorphState:
         return self._morph_state
 
+    def morph_results_since(self, cursor: int = 0) -> tuple[int, tuple[ActionResult, ...]]:
+        """What the morph executor did after `cursor` (0: everything still kept), oldest first, and the
+        cursor to pass next time. Results older than the log's length are dropped."""
+        with self._cond:
+            return self._morph_seq, tuple(r for seq, r in self._morph_log if seq > cursor)
+
+    def _log_morph(self, results: tuple[ActionResult, ...] | list[ActionResult]) -> None:
+        with self._cond:
+            for result in results:
+                self._morph_seq += 1
+                self._morph_log.append((self._morph_seq, result))
+
     # -- asyncio API -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
@@ -109,8 +136,13 @@ class AsyncLLMEngine:
                 self._post((lambda engine: self._abort(request_id), None, None))
 
     async def apply(self, action: MorphAction) -> ActionResult:
-        """Run a morph action on the stepping thread at the next step boundary."""
-        return await self.run_at_step_boundary(lambda engine: engine.apply(action))
+        """Run a morph action on the stepping thread at the next step boundary. What is left of it
+        continues at the following step boundaries, also while no request runs."""
+        def run(engine: LLMEngine) -> ActionResult:
+            result = engine.apply(action)
+            self._log_morph((result,))
+            return result
+        return await self.run_at_step_boundary(run)
 
     async def abort(self, request_id: str) -> None:
         await self.run_at_step_boundary(lambda engine: self._abort(request_id))
@@ -144,7 +176,7 @@ class AsyncLLMEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopped or self._commands or self.engine.has_unfinished()):
+                    while not (self._stopped or self._commands or self._has_work()):
                         self._cond.wait()
                     if self._stopped:
                         break
@@ -152,7 +184,8 @@ class AsyncLLMEngine:
                     self._commands.clear()
                 for command in commands:
                     self._run_command(command)
-                if self.engine.has_unfinished():
+                self._morph_moving = self._morph_moving or bool(commands)
+                if self._has_work():
                     self._step()
                 self._pressure = self.engine.pressure()
                 self._morph_state = self.engine.morph_state()
@@ -176,20 +209,28 @@ class AsyncLLMEngine:
             except RuntimeError:  # that event loop is closed; nobody is waiting any more
                 pass
 
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished() or (self._morph_moving and self.engine.has_pending_morph())
+
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            result = self.engine.step()
         except StepFailed as e:  # the engine already aborted these requests
+            self._log_morph(e.morph_results)
+            self._morph_moving = True  # their blocks are free now
             for rid in e.request_ids:
                 self._deliver(rid, e, last=True)
             return
         except Exception as e:  # outside the model step: reset every request to stay consistent
             logger.exception("engine step failed outside the model; failing requests %s", list(self._sinks))
+            self._morph_moving = False  # do not retry a failing morph action in a loop while idle
             for rid in list(self._sinks):
                 self.engine.abort(rid)
                 self._deliver(rid, e, last=True)
             return
-        for out in outputs:
+        self._log_morph(result.morph_results)
+        self._morph_moving = bool(result.morph_results or result.outputs)
+        for out in result.outputs:
             self._deliver(out.request_id, out, last=out.finished)
 
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:

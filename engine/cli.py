@@ -39,7 +39,7 @@ def chat(args: argparse.Namespace, out=sys.stdout) -> int:
         {"role": "user", "content": args.prompt}]
     engine.add_request("cli-0", engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True), params)
     while engine.has_unfinished():
-        for output in engine.step():
+        for output in engine.step().outputs:
             out.write(output.text)
             out.flush()
     out.write("\n")

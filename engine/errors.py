@@ -1,4 +1,10 @@
 """Error types at the engine's boundary. Callers map them to HTTP codes (deployments/) or messages."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.morph.actions import ActionResult
 
 
 class MorphServeError(Exception):
@@ -27,3 +33,15 @@ class EngineOverloadedError(MorphServeError):
 
 class EngineDeadError(MorphServeError):
     """The step loop stopped after an internal fault; requests in flight are failed with this."""
+
+
+class StepFailed(MorphServeError):
+    """A model step raised; the requests in it were aborted (their blocks freed). Others are intact.
+    `morph_results`: what the morph executor ran at that step's boundary, before the model step."""
+
+    def __init__(self, request_ids: tuple[str, ...], cause: BaseException,
+                 morph_results: tuple[ActionResult, ...] = ()):
+        super().__init__(f"engine step failed for requests {list(request_ids)}: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
+        self.morph_results = morph_results

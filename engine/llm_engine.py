@@ -13,7 +13,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError, MorphServeError
+from engine.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError, StepFailed
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_storage import KVStorage
 from engine.ledger import MemoryLedger, MemoryPlan, plan_memory
@@ -25,7 +25,7 @@ from engine.monitor import PressureMonitor
 from engine.morph.actions import ActionResult, MorphAction, MorphState
 from engine.morph.kv_resizer import KVResizer
 from engine.morph.executor import MorphExecutor, prepare_morphing
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepResult
 from engine.precision import full_precision_for
 from engine.pressure import PressureSnapshot
 from engine.quant import quantized_nbytes
@@ -37,15 +37,6 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-class StepFailed(MorphServeError):
-    """A model step raised; the requests in it were aborted (their blocks freed). Others are intact."""
-
-    def __init__(self, request_ids: tuple[str, ...], cause: BaseException):
-        super().__init__(f"engine step failed for requests {list(request_ids)}: {type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
-        self.cause = cause
 
 
 class LLMEngine:
@@ -168,15 +159,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def num_unfinished(self) -> int:
-        return len(self._requests)
+    def has_pending_morph(self) -> bool:
+        """Morph work accepted but not finished (a target needing more steps, a waiting restore):
+        a step continues it even when no request is running."""
+        return self.morph_executor is not None and self.morph_executor.has_pending()
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        self._at_step_boundary()
+    def step(self) -> StepResult:
+        morph_results = self._at_step_boundary()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return StepResult((), morph_results)
         try:
             logits = self.runner.execute(out)
             outputs = self._process(out, logits)
@@ -186,15 +179,16 @@ class LLMEngine:
             for rid in ids:
                 if rid in self._requests:
                     self._finish(self._requests[rid], "abort", time.monotonic())
-            raise StepFailed(ids, e) from e
+            raise StepFailed(ids, e, morph_results) from e
         finally:
             self.monitor.on_step()
-        return outputs
+        return StepResult(tuple(outputs), morph_results)
 
-    def _at_step_boundary(self) -> None:
+    def _at_step_boundary(self) -> tuple[ActionResult, ...]:
         """Where pending morph actions run: no model step is reading weights or KV now."""
-        if self.morph_executor is not None:
-            self.morph_executor.run_pending()
+        if self.morph_executor is None:
+            return ()
+        return tuple(self.morph_executor.run_pending())
 
     def _process(self, out, logits: torch.Tensor) -> list[RequestOutput]:
         for c in out.chunks:

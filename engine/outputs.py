@@ -1,8 +1,11 @@
-"""What the engine returns per request per step: a delta, so streaming is the natural case."""
+"""What one engine step returns: a delta per request (so streaming is the natural case) and the morph
+actions the executor ran at that step's boundary."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
+
+from engine.morph.actions import ActionResult
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -22,3 +25,12 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What `LLMEngine.step()` did: the requests' deltas, and what the morph executor ran at the step
+    boundary before the model step (a pending target's next layers, a waiting restore that went
+    through). An action that stays waiting without changing anything is not repeated here."""
+    outputs: tuple[RequestOutput, ...] = ()
+    morph_results: tuple[ActionResult, ...] = ()

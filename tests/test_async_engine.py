@@ -7,8 +7,8 @@ import pytest
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
-from engine.llm_engine import LLMEngine, StepFailed
+from engine.errors import EngineDeadError, InvalidRequestError, StepFailed
+from engine.llm_engine import LLMEngine
 from engine.morph.actions import RestoreLayer
 from engine.sampling_params import SamplingParams
 
@@ -113,3 +113,25 @@ def test_after_shutdown_requests_get_engine_dead(engine):
             await collect(engine, "late", [5, 6])
 
     asyncio.run(main())
+
+
+def test_a_pending_target_finishes_while_idle_and_every_move_is_logged(tiny_model_dir, tmp_path):
+    from engine.morph.actions import SetQuantizedTarget
+    from engine.precision import Precision
+    from tests.morph_helpers import engine_for
+    from tests.serve_helpers import until
+
+    eng = AsyncLLMEngine(engine=engine_for(tiny_model_dir, tmp_path))
+    try:
+        first = asyncio.run(eng.apply(SetQuantizedTarget(4, Precision.INT4, max_layers_per_step=1)))
+        assert first.status == "waiting" and first.layers_changed == (0,)
+        # No request runs: the stepping thread continues the target by itself, one layer per step.
+        until(lambda: eng.morph_state().num_quantized == 4 and not eng.morph_state().pending, 60,
+              "the target to be reached while idle")
+        cursor, results = eng.morph_results_since(0)
+        assert [r.layers_changed for r in results] == [(0,), (1,), (2,), (3,)]
+        assert [r.status for r in results] == ["waiting", "waiting", "waiting", "done"]
+        assert eng.morph_results_since(cursor) == (cursor, ())
+        assert eng.morph_results_since(cursor - 1) == (cursor, results[-1:])
+    finally:
+        eng.shutdown()

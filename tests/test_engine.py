@@ -20,7 +20,7 @@ def generate(engine: LLMEngine, prompts: dict[str, list[int] | str], params=GREE
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     reasons = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id].extend(out.token_ids)
             assert len(tokens[out.request_id]) == out.num_output_tokens
             if out.finished:
@@ -84,13 +84,13 @@ def test_stop_token_eos_and_length(tiny_model_dir):
                                                    stop_token_ids=(stop_at,)))
     outs = []
     while engine.has_unfinished():
-        outs.extend(engine.step())
+        outs.extend(engine.step().outputs)
     got = [t for o in outs for t in o.token_ids]
     assert got == free_run[:free_run.index(stop_at) + 1]
     assert outs[-1].finish_reason == "stop" and outs[-1].finish_time is not None
     assert all(o.finish_reason is None for o in outs[:-1])
     engine.add_request("c", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    last = [o for _ in range(5) for o in engine.step()][-1]
+    last = [o for _ in range(5) for o in engine.step().outputs][-1]
     assert (last.finish_reason, last.num_output_tokens) == ("length", 3)
 
 

@@ -97,7 +97,7 @@ def test_duplicate_id_and_full_queue_then_the_engine_still_serves(engine):
         engine.add_request("d", [5, 6], SamplingParams(max_tokens=2))
     finished = []
     for _ in range(10):
-        finished += [o.request_id for o in engine.step() if o.finished]
+        finished += [o.request_id for o in engine.step().outputs if o.finished]
         if not engine.has_unfinished():
             break
     assert sorted(finished) == ["a", "b", "c"] and engine.pool.num_used == 0

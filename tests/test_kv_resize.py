@@ -23,7 +23,7 @@ def make_engine(model_dir, capacity_blocks: int | None = None) -> LLMEngine:
 
 def run_to_end(engine: LLMEngine, tokens: dict[str, list[int]]) -> None:
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
 
 
@@ -47,12 +47,12 @@ def test_grow_and_migrating_shrink_mid_decode_are_token_identical(tiny_model_dir
     assert ledger.free >= 16 * engine.storage.block_bytes
     engine.add_request("filler", list(range(3, 43)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     tokens: dict[str, list[int]] = {}
-    for out in engine.step():  # the filler's prefill takes the low ids 0..9
+    for out in engine.step().outputs:  # the filler's prefill takes the low ids 0..9
         tokens.setdefault(out.request_id, []).extend(out.token_ids)
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, GREEDY)
     for _ in range(3):
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
 
     grown = resizer.grow(16)

@@ -48,10 +48,13 @@ def current_tensors(engine: LLMEngine, layer: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_to_end(engine: LLMEngine, tokens: dict[str, list[int]]) -> dict[str, str]:
+def run_to_end(engine: LLMEngine, tokens: dict[str, list[int]], morph_results: list | None = None) -> dict[str, str]:
     reasons = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        step = engine.step()
+        if morph_results is not None:
+            morph_results.extend(step.morph_results)
+        for out in step.outputs:
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
@@ -67,7 +70,7 @@ def test_swap_down_mid_decode_keeps_requests_and_restore_is_bit_identical(tiny_m
         engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9, 10, 11], params)
     tokens: dict[str, list[int]] = {}
     for _ in range(3):
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
     before = snapshot(engine, tokens)
     capacity = engine.pool.capacity
@@ -115,9 +118,12 @@ def test_restore_waits_for_live_blocks_then_completes(tiny_model_dir, tmp_path):
     assert engine.scheduler.num_preemptions == 0
 
     tokens: dict[str, list[int]] = {}
-    reasons = run_to_end(engine, tokens)  # run_pending retries the restore at every step boundary
+    reported: list = []
+    reasons = run_to_end(engine, tokens, reported)  # run_pending retries the restore at every step boundary
     assert set(reasons) == {f"r{i}" for i in range(6)} and set(reasons.values()) == {"length"}
-    engine.step()  # one more boundary, in case the last requests finished in the final step
+    reported += engine.step().morph_results  # one more boundary, in case the last requests finished in the final step
+    # step() reports the restore once, when it went through, not at every step it kept waiting
+    assert [(r.action, r.status) for r in reported] == [(RestoreLayer(0), "done")]
     assert engine.model.layers[0].q_proj.precision == Precision.FP32
     assert engine.morph_state().pending == () and engine.pool.capacity == 20 and engine.ledger.free == 0
 

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import RestoreLayer, SetQuantizedTarget, SwapLayer
 from engine.precision import Precision
@@ -36,7 +35,7 @@ def generate(engine: LLMEngine, prompts=PROMPTS, between_steps=None, params=GREE
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     step = 0
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id].extend(out.token_ids)
         step += 1
         if between_steps:
@@ -53,7 +52,8 @@ def test_target_moves_k_layers_per_step_in_swap_order(tiny_model_dir, tmp_path):
     assert first.status == "waiting" and first.layers_changed == (2, 0) and first.kv_blocks_delta > 0
     assert engine.morph_state().layer_precisions == (I4, F32, I4, F32)
     assert engine.morph_state().pending == (SetQuantizedTarget(3, I4, 2),)
-    engine.step()  # a step boundary: the executor continues the target
+    step = engine.step()  # a step boundary: the executor continues the target, and says so
+    assert step.outputs == () and [(r.status, r.layers_changed) for r in step.morph_results] == [("done", (3,))]
     assert engine.morph_state().layer_precisions == (I4, F32, I4, I4)
     assert engine.morph_state().pending == () and engine.morph_state().num_quantized == 3
 
@@ -70,15 +70,23 @@ def test_target_moves_k_layers_per_step_in_swap_order(tiny_model_dir, tmp_path):
 
 def test_newer_target_replaces_older_and_results_report_timings(tiny_model_dir, tmp_path):
     engine = engine_for(tiny_model_dir, tmp_path)
-    ex = engine.morph_executor
-    ex.submit(SetQuantizedTarget(4, I4, 1))
-    ex.submit(SetQuantizedTarget(2, I8, 1))
+    first = engine.apply(SetQuantizedTarget(4, I4, 1))
+    assert (first.status, first.layers_changed) == ("waiting", (0,))  # front-to-back without a profile
+    second = engine.apply(SetQuantizedTarget(2, I8, 1))  # downs first: layer 1 to INT8
+    assert (second.status, second.layers_changed) == ("waiting", (1,))
     assert engine.morph_state().pending == (SetQuantizedTarget(2, I8, 1),)
-    results = ex.run_pending() + ex.run_pending()
-    assert [r.status for r in results] == ["waiting", "done"]
-    assert [r.layers_changed for r in results] == [(0,), (1,)]  # front-to-back without a profile
-    assert all(r.swap_seconds > 0 and r.resize_seconds >= 0 for r in results)
-    assert ex.run_pending() == []
+    steps = [engine.step(), engine.step()]
+    results = [r for s in steps for r in s.morph_results]
+    assert [(r.status, r.layers_changed) for r in results] == [("done", (0,))]  # layer 0: INT4 -> INT8
+    assert engine.morph_state().layer_precisions == (I8, I8, F32, F32) and not engine.has_pending_morph()
+    assert all(r.swap_seconds > 0 and r.resize_seconds >= 0 for r in (first, second, *results))
+
+
+def test_a_target_that_finishes_at_once_drops_an_older_pending_one(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path)
+    assert engine.apply(SetQuantizedTarget(4, I4, 1)).status == "waiting"
+    assert engine.apply(SetQuantizedTarget(1, I4, 1)).status == "noop"  # layer 0 is already there
+    assert engine.step().morph_results == () and engine.morph_state().num_quantized == 1
 
 
 def test_integrity_is_checked_after_every_action(tiny_model_dir, tmp_path, monkeypatch):
@@ -116,8 +124,6 @@ def test_bad_actions_are_refused_clearly(tiny_model_dir, tmp_path):
              (SetQuantizedTarget(5, I4), "count must be in 0..4"), (SetQuantizedTarget(2, F32), "target precision"),
              (SetQuantizedTarget(2, I4, 0), "max_layers_per_step")]
     for action, message in cases:
-        with pytest.raises(InvalidRequestError, match=message):
-            engine.morph_executor.submit(action)
         result = engine.apply(action)
         assert result.status == "rejected" and message in result.message
     assert engine.morph_state().pending == () and engine.morph_state().num_quantized == 0

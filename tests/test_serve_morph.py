@@ -26,13 +26,27 @@ FAST_POLICY = {"enter_after": 2, "relax_after": 3, "history_len": 16}
 
 
 class FakeEngine:
-    """Pressure as set by the test; SetQuantizedTarget applied at once (swap order: front-to-back)."""
+    """Pressure as set by the test; SetQuantizedTarget applied at once (swap order: front-to-back);
+    every result goes into the morph log, as AsyncLLMEngine's."""
 
     def __init__(self):
         self.kv_usage, self.queue_delay, self.clock = 0.0, 0.0, 0.0
         self.precisions = [Precision.BF16] * NUM_LAYERS
         self.applied: list[SetQuantizedTarget] = []
         self.pending: tuple = ()
+        self.log: list[ActionResult] = []
+
+    def morph_results_since(self, cursor: int = 0) -> tuple[int, tuple[ActionResult, ...]]:
+        return len(self.log), tuple(self.log[cursor:])
+
+    def move_one_layer(self, action: SetQuantizedTarget) -> ActionResult:
+        """What a step boundary does with a pending target: one more layer down."""
+        n = self.state().num_quantized + 1
+        self.precisions = [action.precision if i < n else Precision.BF16 for i in range(NUM_LAYERS)]
+        self.pending = (action,) if n < action.count else ()
+        result = ActionResult(action, "waiting" if self.pending else "done", (n - 1,), -10, BLOCKS_PER_LAYER)
+        self.log.append(result)
+        return result
 
     def pressure(self) -> PressureSnapshot:
         self.clock += 0.1
@@ -60,8 +74,10 @@ class FakeEngine:
         self.precisions = [action.precision if i < action.count else Precision.BF16 for i in range(NUM_LAYERS)]
         changed = tuple(i for i, (a, b) in enumerate(zip(before.layer_precisions, self.precisions)) if a != b)
         blocks = self.state().kv_capacity_blocks - before.kv_capacity_blocks
-        return ActionResult(action, "done", changed, weight_bytes_delta=-blocks * 10, kv_blocks_delta=blocks,
-                            swap_seconds=0.01, resize_seconds=0.001)
+        result = ActionResult(action, "done", changed, weight_bytes_delta=-blocks * 10, kv_blocks_delta=blocks,
+                              swap_seconds=0.01, resize_seconds=0.001)
+        self.log.append(result)
+        return result
 
 
 class FakeController:
@@ -127,28 +143,31 @@ def test_controller_directive_is_applied_until_reached_and_a_rejection_is_not_re
     assert engine.applied == [SetQuantizedTarget(3, Precision.INT4, 2)]
     assert metrics.reachable.value(model_name="fake") == 1.0
 
-    # The engine moves a pending target only at step boundaries (none while idle): send it again.
-    real_apply, moved = engine.apply, []
+    # A target that takes several steps: applied once; the engine goes on by itself and logs each move.
+    real_apply = engine.apply
 
-    async def one_layer_per_call(action):
+    async def one_layer_now(action):
         engine.applied.append(action)
-        n = engine.state().num_quantized + 1
-        engine.precisions = [action.precision if i < n else Precision.BF16 for i in range(NUM_LAYERS)]
-        moved.append(n)
-        return ActionResult(action, "waiting" if n < action.count else "done", (n - 1,), -10, BLOCKS_PER_LAYER)
+        return engine.move_one_layer(action)
 
-    engine.apply = one_layer_per_call
-    controller.target = 5
-    for _ in range(3):
-        asyncio.run(loop.run_once())
-    assert moved == [4, 5] and engine.state().num_quantized == 5
+    engine.apply = one_layer_now
+    controller.target = 6
+    asyncio.run(loop.run_once())
+    assert engine.applied[-1] == SetQuantizedTarget(6, Precision.INT4, 2) and engine.pending
+    asyncio.run(loop.run_once())  # still pending: not sent again
+    engine.move_one_layer(engine.pending[0])  # a step boundary in the engine
+    asyncio.run(loop.run_once())
+    assert len(engine.applied) == 2 and engine.state().num_quantized == 5
     assert metrics.actions.value(model_name="fake", kind="swap_down") == 5  # 3, then 1 + 1 ("waiting" counts)
+    assert loop.status()["action_results"] == {"done": 1, "waiting": 2}
 
     async def reject(action):
         engine.applied.append(action)
-        return ActionResult(action, "rejected", message="no")
+        result = ActionResult(action, "rejected", message="no")
+        engine.log.append(result)
+        return result
 
-    engine.apply, controller.target = reject, 6
+    engine.apply, controller.target = reject, 7
     applied = len(engine.applied)
     for _ in range(3):
         asyncio.run(loop.run_once())
@@ -156,15 +175,18 @@ def test_controller_directive_is_applied_until_reached_and_a_rejection_is_not_re
     engine.apply = real_apply
 
 
-def test_moves_the_engine_makes_between_rounds_are_counted():
+def test_moves_the_engine_reports_between_rounds_are_counted():
     engine, controller = FakeEngine(), FakeController(target=0)
     loop, metrics = make_loop(engine, lambda: controller)
     asyncio.run(loop.run_once())
-    engine.precisions[:2] = [Precision.INT4, Precision.INT4]  # a pending target's steps, not ours
+    target = SetQuantizedTarget(2, Precision.INT4, 1)
+    engine.move_one_layer(target)  # a pending target's steps, not this loop's action
+    engine.move_one_layer(target)
     controller.target = 2
     asyncio.run(loop.run_once())
+    assert engine.applied == []  # already at the directive's target
     assert metrics.actions.value(model_name="fake", kind="swap_down") == 2
-    assert metrics.actions.value(model_name="fake", kind="kv_grow") == 1
+    assert metrics.actions.value(model_name="fake", kind="kv_grow") == 2
 
 
 def test_operator_pins_override_the_directive():

@@ -1,7 +1,12 @@
 """MorphExecutor: runs morph actions between steps and keeps the morph state.
 
-    policy / admin --submit()--> pending --run_pending() at each step boundary--> LayerSwapper / KVResizer
-                   --apply_now()--------------------------------------------------^ (synchronous engine)
+    policy / admin --apply()--> run now --> LayerSwapper / KVResizer
+                                  | what is left (a waiting restore, a target needing more steps)
+                                  v
+                               pending --run_pending() at each step boundary--^
+
+Everything runs on the engine's stepping thread (the async engine hands apply() to it), so there is
+no lock. run_pending() returns what it did; the engine's step() passes that on (StepResult).
 
 - SwapLayer / RestoreLayer move one layer; a restore whose KV blocks are held by live requests
   stays pending ("waiting") and is retried every step, never preempting anyone.
@@ -15,9 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
-from engine.errors import BudgetError, InvalidRequestError
+from engine.errors import BudgetError
 from engine.morph.actions import ActionResult, MorphAction, MorphState, RestoreLayer, SetQuantizedTarget, SwapLayer
 from engine.morph.host_store import HostStore
 from engine.morph.layer_swapper import LayerSwapper, SwapResult, build_linears
@@ -40,7 +44,6 @@ class MorphExecutor:
         self.swap_order, self.ladder = swap_order, tuple(ladder)
         self.swapper = LayerSwapper(model, host_store, ledger, kv_resizer)
         self._pending: list[MorphAction] = []
-        self._lock = threading.RLock()  # submit() may come from another thread than the step loop
 
     @classmethod
     def for_engine(cls, engine, setup: "MorphSetup") -> "MorphExecutor":
@@ -70,45 +73,42 @@ class MorphExecutor:
             return f"unknown morph action {action!r}"
         return None
 
-    def submit(self, action: MorphAction) -> None:
-        """Queue an action for the next step boundary; InvalidRequestError when it cannot apply."""
-        problem = self.validate(action)
-        if problem:
-            raise InvalidRequestError(problem, param="action")
-        with self._lock:
-            self._enqueue(action)
-
     def _enqueue(self, action: MorphAction) -> None:
         if isinstance(action, SetQuantizedTarget):
             self._pending = [a for a in self._pending if not isinstance(a, SetQuantizedTarget)]
         self._pending.append(action)
 
     # -- running actions ---------------------------------------------------------------------
-    def run_pending(self) -> list[ActionResult]:
-        """Called by the engine at each step boundary. Unfinished actions stay pending."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-            results = []
-            for action in pending:
-                result = self._run(action)
-                results.append(result)
-                if result.status == "waiting":
-                    self._enqueue(action)
-            return results
+    def has_pending(self) -> bool:
+        return bool(self._pending)
 
-    def apply_now(self, action: MorphAction) -> ActionResult:
-        """Run an action now (the caller guarantees a step boundary). What is left of it (a waiting
-        restore, a target needing more steps) stays pending and continues at the next steps."""
-        problem = self.validate(action)
-        if problem:
-            return ActionResult(action, "rejected", message=problem)
-        with self._lock:
+    def run_pending(self) -> list[ActionResult]:
+        """Called by the engine at each step boundary; returns what it did. Unfinished actions stay
+        pending; one that is still waiting and changed nothing this time is not reported again."""
+        pending, self._pending = self._pending, []
+        results = []
+        for action in pending:
             result = self._run(action)
             if result.status == "waiting":
                 self._enqueue(action)
-            return result
+                if not (result.layers_changed or result.kv_blocks_delta):
+                    continue
+            results.append(result)
+        return results
 
-    apply = apply_now  # LLMEngine.apply's name for it
+    def apply(self, action: MorphAction) -> ActionResult:
+        """Run an action now (the caller guarantees a step boundary). What is left of it (a waiting
+        restore, a target needing more steps) stays pending and continues at the next steps; a newer
+        target replaces a pending one."""
+        problem = self.validate(action)
+        if problem:
+            return ActionResult(action, "rejected", message=problem)
+        if isinstance(action, SetQuantizedTarget):
+            self._pending = [a for a in self._pending if not isinstance(a, SetQuantizedTarget)]
+        result = self._run(action)
+        if result.status == "waiting":
+            self._enqueue(action)
+        return result
 
     def _run(self, action: MorphAction) -> ActionResult:
         if isinstance(action, SetQuantizedTarget):
@@ -155,11 +155,10 @@ class MorphExecutor:
 
     # -- state -------------------------------------------------------------------------------
     def morph_state(self) -> MorphState:
-        with self._lock:
-            return MorphState(layer_precisions=self.swapper.precisions(), full_precision=self.full_precision,
-                              swap_order=self.swap_order.order, swap_order_source=self.swap_order.source,
-                              kv_capacity_blocks=self.pool.capacity, kv_max_blocks=self.pool.max_blocks,
-                              pending=tuple(self._pending), morphing_enabled=True)
+        return MorphState(layer_precisions=self.swapper.precisions(), full_precision=self.full_precision,
+                          swap_order=self.swap_order.order, swap_order_source=self.swap_order.source,
+                          kv_capacity_blocks=self.pool.capacity, kv_max_blocks=self.pool.max_blocks,
+                          pending=tuple(self._pending), morphing_enabled=True)
 
     def close(self) -> None:
         self.swapper.close()

@@ -51,7 +51,7 @@ class OursBackend:
             self.engine.add_request(rid, list(prompt), params)
         counts = dict.fromkeys(ids, 0)
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 counts[out.request_id] += len(out.token_ids)
         return [counts[rid] for rid in ids]
 
