@@ -155,11 +155,14 @@ class AsyncLLMEngine:
         return await fut
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the stepping thread, then the engine's own workers (the morph prefetch thread)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                self.engine.close()
 
     # -- the stepping thread -----------------------------------------------------------------
     def _post(self, command: Command) -> None:

@@ -1,4 +1,4 @@
-"""BlockPool: the only owner of KV block ids, their ref counts, the free list and the capacity.
+"""BlockPool: the only owner of KV block ids, which of them are in use, the free list and the capacity.
 
 Block ids index the block-major KV storage directly, so the pool decides where memory lives:
 
@@ -27,7 +27,8 @@ class BlockPool:
         self.max_blocks = max_blocks
         self._free_heap: list[int] = list(range(capacity))  # sorted -> already a heap
         self._free_set: set[int] = set(self._free_heap)
-        self._refs: dict[int, int] = {}  # used block id -> ref count (> 0)
+        # Ids in use. Each has one owner (no prefix sharing yet, so no reference counts).
+        self._used: set[int] = set()
 
     # -- figures -----------------------------------------------------------------------------
     @property
@@ -36,17 +37,14 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return len(self._refs)
-
-    def ref_count(self, block_id: int) -> int:
-        return self._refs.get(block_id, 0)
+        return len(self._used)
 
     def used_ids(self) -> list[int]:
-        return sorted(self._refs)
+        return sorted(self._used)
 
     # -- allocation --------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh blocks (ref count 1), lowest ids first; None when fewer than n are free."""
+        """n fresh blocks, lowest ids first; None when fewer than n are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free_set):
@@ -54,31 +52,21 @@ class BlockPool:
         ids = [heapq.heappop(self._free_heap) for _ in range(n)]
         for i in ids:
             self._free_set.remove(i)
-            self._refs[i] = 1
+            self._used.add(i)
         return ids
 
-    def share(self, ids: list[int]) -> None:
-        """Add a reference to blocks already in use (e.g. a shared prefix)."""
-        for i in ids:
-            if i not in self._refs:
-                raise ValueError(f"block {i} is not in use; cannot add a reference")
-        for i in ids:
-            self._refs[i] += 1
-
     def free(self, ids: list[int]) -> None:
-        """Drop one reference from each block; a block with no references returns to the free list."""
+        """Return blocks to the free list."""
         if len(set(ids)) != len(ids):
             raise ValueError(f"free() got duplicate block ids {ids}")
         for i in ids:
-            if i not in self._refs:
+            if i not in self._used:
                 kind = "free already (double free)" if i in self._free_set else "unknown"
                 raise ValueError(f"block {i} is {kind}")
         for i in ids:
-            self._refs[i] -= 1
-            if self._refs[i] == 0:
-                del self._refs[i]
-                self._free_set.add(i)
-                heapq.heappush(self._free_heap, i)
+            self._used.remove(i)
+            self._free_set.add(i)
+            heapq.heappush(self._free_heap, i)
 
     # -- capacity ----------------------------------------------------------------------------
     def grow(self, n: int) -> None:
@@ -96,7 +84,7 @@ class BlockPool:
         free ids first. None when there are not enough free blocks below the new top."""
         if not 0 <= new_capacity <= self.capacity:
             raise ValueError(f"cannot shrink capacity {self.capacity} to {new_capacity}")
-        movers = sorted(i for i in self._refs if i >= new_capacity)
+        movers = sorted(i for i in self._used if i >= new_capacity)
         if self.num_used > new_capacity:
             return None
         targets = heapq.nsmallest(len(movers), (i for i in self._free_set if i < new_capacity))
@@ -106,14 +94,15 @@ class BlockPool:
 
     def apply_shrink(self, mapping: dict[int, int], new_capacity: int) -> None:
         """Commit a plan from plan_shrink (after the caller copied the data and rewrote tables)."""
-        expected = {i for i in self._refs if i >= new_capacity}
+        expected = {i for i in self._used if i >= new_capacity}
         if set(mapping) != expected:
             raise ValueError(f"shrink mapping must move exactly the live blocks >= {new_capacity}: {sorted(expected)}")
         targets = list(mapping.values())
         if len(set(targets)) != len(targets) or any(t >= new_capacity or t not in self._free_set for t in targets):
             raise ValueError(f"shrink targets {targets} must be distinct free ids below {new_capacity}")
         for old, new in mapping.items():
-            self._refs[new] = self._refs.pop(old)
+            self._used.remove(old)
+            self._used.add(new)
         self._free_set = {i for i in self._free_set if i < new_capacity} - set(targets)
         self._free_heap = sorted(self._free_set)
         self.capacity = new_capacity
@@ -123,15 +112,13 @@ class BlockPool:
         problems = []
         if self.num_free + self.num_used != self.capacity:
             problems.append(f"free {self.num_free} + used {self.num_used} != capacity {self.capacity}")
-        if self._free_set & set(self._refs):
-            problems.append(f"ids both free and used: {sorted(self._free_set & set(self._refs))}")
+        if self._free_set & self._used:
+            problems.append(f"ids both free and used: {sorted(self._free_set & self._used)}")
         if len(self._free_heap) != len(self._free_set) or set(self._free_heap) != self._free_set:
             problems.append("free heap and free set disagree")
-        out_of_range = [i for i in (*self._free_set, *self._refs) if not 0 <= i < self.capacity]
+        out_of_range = [i for i in (*self._free_set, *self._used) if not 0 <= i < self.capacity]
         if out_of_range:
             problems.append(f"ids outside [0, {self.capacity}): {sorted(out_of_range)}")
-        if any(r <= 0 for r in self._refs.values()):
-            problems.append("a used block has ref count <= 0")
         if self.capacity > self.max_blocks:
             problems.append(f"capacity {self.capacity} > max_blocks {self.max_blocks}")
         if problems:

@@ -38,10 +38,13 @@ def chat(args: argparse.Namespace, out=sys.stdout) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]
     engine.add_request("cli-0", engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True), params)
-    while engine.has_unfinished():
-        for output in engine.step().outputs:
-            out.write(output.text)
-            out.flush()
+    try:
+        while engine.has_unfinished():
+            for output in engine.step().outputs:
+                out.write(output.text)
+                out.flush()
+    finally:
+        engine.close()
     out.write("\n")
     return 0
 

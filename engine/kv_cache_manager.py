@@ -39,9 +39,6 @@ class KVCacheManager:
         if table:
             self.pool.free(table)
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self._tables
-
     def block_table(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._tables.get(request_id, ()))
 

@@ -43,10 +43,6 @@ class KVStorage:
         flat = torch.frombuffer(self._mmap, dtype=torch.uint8)[: self.max_blocks * self.block_bytes]
         return flat.view(self.dtype).view(self.max_blocks, *self._block_shape)
 
-    @property
-    def committed_bytes(self) -> int:
-        return self.capacity * self.block_bytes
-
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer, each [blocks, block_size, num_kv_heads, head_dim] (a view)."""
         return self.kv[:, layer, 0], self.kv[:, layer, 1]

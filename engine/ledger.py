@@ -2,9 +2,6 @@
 checked after every change, so a morph step that would break it fails where it happens."""
 from __future__ import annotations
 
-import dataclasses
-
-from engine.errors import BudgetError
 from engine.pressure import LedgerFigures
 
 
@@ -36,9 +33,6 @@ class MemoryLedger:
     def figures(self) -> LedgerFigures:
         return LedgerFigures(budget=self.budget, weights=self.weights, kv=self._kv, reserve=self.reserve)
 
-    def can_fit(self, extra_bytes: int) -> bool:
-        return extra_bytes <= self.free
-
     def set_base_weights(self, nbytes: int) -> None:
         self._set(lambda: setattr(self, "_base_weights", nbytes), nbytes, "base weights")
 
@@ -65,30 +59,3 @@ class MemoryLedger:
             raise RuntimeError(
                 f"memory ledger over budget: weights {self.weights} + kv {self._kv} + reserve "
                 f"{self.reserve} = {used} > budget {self.budget}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """How a budget is split at start-up (all layers at full precision)."""
-    budget: int
-    weights: int
-    reserve: int
-    block_bytes: int
-    capacity: int  # committed KV blocks now
-    max_blocks: int  # KV blocks if every layer sat at the lowest rung (address space to reserve)
-    min_blocks: int  # blocks one max_model_len request needs
-
-
-def plan_memory(budget: int, weights: int, lowest_weights: int, reserve: int, block_bytes: int,
-                min_blocks: int) -> MemoryPlan:
-    """Split the budget; BudgetError (with the minimum budget) when one full-length request cannot fit."""
-    capacity = max(0, (budget - weights - reserve) // block_bytes)
-    if capacity < min_blocks:
-        minimum = weights + reserve + min_blocks * block_bytes
-        raise BudgetError(
-            f"memory budget {budget} bytes ({budget / 2**20:.1f} MiB) is too small: weights {weights} + "
-            f"reserve {reserve} + KV for one max_model_len request ({min_blocks} blocks x {block_bytes}) "
-            f"need at least {minimum} bytes ({minimum / 2**20:.1f} MiB). Raise memory_budget to at least "
-            f"{-(-minimum // 2**20)}MiB, or lower max_model_len / max_num_batched_tokens.")
-    max_blocks = max(capacity, (budget - lowest_weights - reserve) // block_bytes)
-    return MemoryPlan(budget, weights, reserve, block_bytes, capacity, max_blocks, min_blocks)

@@ -11,96 +11,34 @@ import time
 
 import torch
 
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError, StepFailed
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_storage import KVStorage
-from engine.ledger import MemoryLedger, MemoryPlan, plan_memory
-from engine.loader import load_config, load_weights, resolve_model
-from engine.model import Transformer, build_model, layer_bias_names, linear_shapes
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.monitor import PressureMonitor
+from engine.engine_builder import EngineParts, build_engine_parts
+from engine.errors import EngineOverloadedError, InvalidRequestError, StepFailed
 from engine.morph.actions import ActionResult, MorphAction, MorphState
-from engine.morph.kv_resizer import KVResizer
-from engine.morph.executor import MorphExecutor, prepare_morphing
 from engine.outputs import RequestOutput, StepResult
-from engine.precision import full_precision_for
 from engine.pressure import PressureSnapshot
-from engine.quant import quantized_nbytes
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, StopChecker
-from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
-        files = resolve_model(config.model, config.cache_path)
-        self.model_name = config.served_model_name or files.name
-        self.model_config: ModelConfig = load_config(files.hf_dir)
-        self.max_model_len = _max_model_len(config, self.model_config)
-        self.tokenizer = _load_tokenizer(files.hf_dir)
-        self.model: Transformer = build_model(self.model_config, load_weights(files.hf_dir, config.torch_dtype),
-                                              config.torch_dtype, self.device)
-        self.full_precision = full_precision_for(config.torch_dtype)
-        # Host store + swap order, validated before memory is planned (may start with layers swapped down).
-        self.morph_setup = prepare_morphing(self, files) if config.enable_morphing else None
-        self.memory_plan = self._plan_memory()
-        self._build_memory(self.memory_plan)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.storage, self.device)
-        self.monitor = PressureMonitor(self.scheduler, self.pool, self.ledger)
-        self.kv_resizer = KVResizer(self.pool, self.storage, self.kv_manager, self.ledger,
-                                    min_blocks=self.memory_plan.min_blocks)
-        # None = morphing disabled
-        self.morph_executor = MorphExecutor.for_engine(self, self.morph_setup) if self.morph_setup else None
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(
-            self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
+        """`parts`: built by engine/engine_builder.py from `config` unless given."""
+        parts = parts if parts is not None else build_engine_parts(config)
+        if parts.config != config:
+            raise ValueError("the engine parts were built from another config")
+        self.config, self.device = config, torch.device(config.device)
+        self.model_name, self.model_config, self.max_model_len = parts.model_name, parts.model_config, parts.max_model_len
+        self.tokenizer, self.model, self.full_precision = parts.tokenizer, parts.model, parts.full_precision
+        self.eos_token_ids, self.memory_plan, self.ledger = parts.eos_token_ids, parts.memory_plan, parts.ledger
+        self.storage, self.pool, self.kv_manager = parts.storage, parts.pool, parts.kv_manager
+        self.scheduler, self.runner, self.monitor = parts.scheduler, parts.runner, parts.monitor
+        self.kv_resizer, self.morph_executor = parts.kv_resizer, parts.morph_executor
         self._requests: dict[str, Sequence] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
-
-    # -- memory ------------------------------------------------------------------------------
-    def _plan_memory(self) -> MemoryPlan:
-        cfg, mc = self.config, self.model_config
-        elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
-        reserve = cfg.reserve if cfg.reserve is not None else (
-            cfg.max_num_batched_tokens * (mc.hidden_size + mc.intermediate_size + mc.vocab_size) * elem)
-        base = self.model.base_weight_bytes()
-        weights = base + sum(self.model.layer_weight_bytes(i) for i in range(mc.num_layers))
-        lowest = base + mc.num_layers * self._lowest_layer_bytes() if cfg.enable_morphing else weights
-        block_bytes = mc.num_layers * 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * elem
-        return plan_memory(cfg.memory_budget_bytes, weights, lowest, int(reserve), block_bytes,
-                           min_blocks=-(-self.max_model_len // cfg.block_size))
-
-    def _lowest_layer_bytes(self) -> int:
-        """One layer's linears at the ladder's lowest rung (sizes known before quantizing)."""
-        lowest = self.config.ladder[-1]
-        biased = layer_bias_names(self.model_config, 0)
-        return sum(quantized_nbytes(lowest, out_f, in_f, self.config.int4_group_size,
-                                    bias_dtype=self.config.torch_dtype if name in biased else None)
-                   for name, (out_f, in_f) in linear_shapes(self.model_config).items())
-
-    def _build_memory(self, plan: MemoryPlan) -> None:
-        mc = self.model_config
-        self.ledger = MemoryLedger(plan.budget, plan.reserve)
-        self.ledger.set_base_weights(self.model.base_weight_bytes())
-        for i in range(mc.num_layers):
-            self.ledger.set_layer_weights(i, self.model.layer_weight_bytes(i))
-        self.ledger.set_kv(plan.capacity * plan.block_bytes)
-        self.pool = BlockPool(plan.capacity, plan.max_blocks)
-        self.storage = KVStorage(mc.num_layers, self.config.block_size, mc.num_kv_heads, mc.head_dim,
-                                 self.config.torch_dtype, self.device, plan.max_blocks, plan.capacity)
-        self.kv_manager = KVCacheManager(self.pool, self.config.block_size)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -248,24 +186,13 @@ class LLMEngine:
                                 message="morphing is disabled (no morph executor on this engine)")
         return self.morph_executor.apply(action)
 
+    def close(self) -> None:
+        """Stop the morph executor's prefetch worker; the engine takes no more steps."""
+        if self.morph_executor is not None:
+            self.morph_executor.close()
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.kv_manager.check_integrity()
         self.ledger.check_integrity()
 
-
-def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    if config.max_model_len is None:
-        return min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-    if config.max_model_len > mc.max_position_embeddings:
-        raise ModelLoadError(f"max_model_len={config.max_model_len} exceeds the model's context of "
-                             f"{mc.max_position_embeddings} tokens; lower max_model_len")
-    return config.max_model_len
-
-
-def _load_tokenizer(hf_dir) -> Tokenizer | None:
-    try:
-        return Tokenizer.from_dir(hf_dir)
-    except ModelLoadError as e:
-        logger.warning("no usable tokenizer in %s (%s); only token-id prompts will work", hf_dir, e)
-        return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -25,8 +26,12 @@ from engine.default_model import DEFAULT_MODEL_NAME, default_gguf_path
 from engine.cache_lock import exclusive_build
 from engine.errors import ModelLoadError
 from engine.gguf_convert import convert_gguf, is_complete
+from engine.config import default_cache_dir
+from engine.model import Transformer, build_model
 from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
 
@@ -160,3 +165,27 @@ def load_weights(hf_dir: Path, dtype: torch.dtype, names: Iterable[str] | None =
                 except (OSError, SafetensorError) as e:
                     raise ModelLoadError(f"cannot read tensor {n} from {path} ({e}); re-download the model") from e
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: its files, architecture, weights built on a device, and tokenizer (None
+    when the folder has none: then only token-id prompts work and text calibration is impossible)."""
+    files: ModelFiles
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer | None
+
+
+def load_model(spec: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+               cache_dir: Path | None = None) -> LoadedModel:
+    """The one way to load a model, for the engine and for offline tools (prepare, profiler, quality)."""
+    files = resolve_model(spec, cache_dir or default_cache_dir())
+    config = load_config(files.hf_dir)
+    model = build_model(config, load_weights(files.hf_dir, dtype), dtype, device)
+    try:
+        tokenizer = Tokenizer.from_dir(files.hf_dir)
+    except ModelLoadError as e:
+        logger.warning("no usable tokenizer in %s (%s); only token-id prompts will work", files.hf_dir, e)
+        tokenizer = None
+    return LoadedModel(files, config, model, tokenizer)

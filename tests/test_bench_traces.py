@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ops.bench import BenchmarkInputError
-from ops.bench.prompts import build_prompts, fit_prompt, iter_sharegpt, load_sharegpt_pairs
+from ops.bench.prompts import build_prompts, fit_prompt, load_sharegpt_pairs
 from ops.bench.traces import Trace, TraceRequest, load_azure_trace, load_burstgpt_trace, load_trace
 from ops.bench.workload import WorkloadSpec, arrival_counts, build_workload, select_window
 
@@ -109,12 +109,9 @@ def test_workload_spec_rejects_bad_parameters():
 
 
 def test_real_azure_trace_window(tmp_path):
-    from pathlib import Path
+    from tests.data_helpers import dataset_or_skip
 
-    path = Path(__file__).resolve().parents[2] / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
-    if not path.is_file():
-        pytest.skip(f"{path} is not on this machine")
-    trace = load_trace(path)
+    trace = load_trace(dataset_or_skip("azure_conv"))
     assert len(trace.requests) + trace.dropped_rows == 19366
     w = build_workload(trace, WorkloadSpec(window_s=72))
     assert w.window.peak_to_mean > 2.0 and w.window.mean_rps >= 0.5 * len(trace.requests) / trace.duration_s
@@ -130,12 +127,6 @@ def _sharegpt(tmp_path, n=30, truncate=False):
     if truncate:
         text = text[: text.rindex('"id"') + 10]  # cut inside the last conversation, like the wheel's copy
     return _write(tmp_path, "sg.json", text)
-
-
-def test_sharegpt_streaming_tolerates_cut_off_file(tmp_path):
-    whole = list(iter_sharegpt(_sharegpt(tmp_path, n=30)))
-    cut = list(iter_sharegpt(_sharegpt(tmp_path, n=30, truncate=True)))
-    assert len(whole) == 31 and cut == whole[:-1]
 
 
 def test_sharegpt_selection_is_deterministic_by_seed(tmp_path):

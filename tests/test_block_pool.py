@@ -20,17 +20,6 @@ def test_allocate_lowest_ids_first_and_reuse_after_free():
     pool.check_integrity()
 
 
-def test_ref_counts_keep_shared_blocks_alive():
-    pool = BlockPool(4, 4)
-    ids = pool.allocate(2)
-    pool.share(ids)
-    pool.free(ids)
-    assert pool.num_used == 2 and pool.ref_count(0) == 1
-    pool.free(ids)
-    assert pool.num_used == 0
-    pool.check_integrity()
-
-
 def test_caller_bugs_raise():
     pool = BlockPool(4, 8)
     ids = pool.allocate(1)

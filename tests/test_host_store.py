@@ -11,16 +11,17 @@ from safetensors.torch import save_file
 from engine.errors import ModelLoadError
 from engine.loader import load_config, load_weights
 from engine.model import build_model, linear_shapes
-from engine.morph import prepare
+from engine.morph import store_builder
+from engine.morph.calibration import as_batch, full_precision_pass
 from engine.morph.host_store import MANIFEST, HostStore, layer_file_name, store_root
 from engine.morph.layer_swapper import build_linears
-from engine.morph.prepare import StoreSpec, ensure_host_store
+from engine.morph.store_builder import StoreSpec, ensure_host_store
 from engine.precision import Precision
 from engine.quant import Int4Weight, Int8Weight
 from engine.quant.awq import rms_norm
 
 LADDER = (Precision.INT8, Precision.INT4)
-CALIB = [[(7 * i + 3) % 250 + 3 for i in range(24)], [(11 * i + 5) % 250 + 3 for i in range(16)]]
+CALIB = [[(7 * i + 3) % 250 + 3 for i in range(20)], [(11 * i + 5) % 250 + 3 for i in range(20)]]
 
 
 def tiny_model(model_dir, dtype=torch.float32):
@@ -29,7 +30,7 @@ def tiny_model(model_dir, dtype=torch.float32):
 
 def spec_for(model_dir, **kw) -> StoreSpec:
     args = dict(model_name="tiny", hf_dir=model_dir, full=Precision.FP32, ladder=LADDER, int4_group_size=64,
-                calibration_text=None, awq_grid=3)
+                calibration="none", awq_grid=3)
     args.update(kw)
     return StoreSpec(**args)
 
@@ -80,10 +81,10 @@ def test_full_copy_is_bit_identical_and_owned(awq_store):
 
 def test_awq_is_no_worse_than_rtn_on_calibration_tokens(awq_store, tiny_model_dir, tmp_path):
     model, store = awq_store
-    rtn = ensure_host_store(model, spec_for(tiny_model_dir), tmp_path)  # no tokenizer, no ids -> RTN
+    rtn = ensure_host_store(model, spec_for(tiny_model_dir), tmp_path)  # calibration "none" -> RTN
     assert rtn.manifest.int4_method == "rtn" and "round-to-nearest" in rtn.manifest.calibration["reason"]
     assert rtn.path.name != store.path.name
-    calib = prepare.collect_calibration(model, CALIB)
+    calib = full_precision_pass(model, as_batch(CALIB))[2]
     eps = model.config.rms_norm_eps
     for layer in range(4):
         x = calib[layer].hidden
@@ -98,7 +99,7 @@ def test_awq_is_no_worse_than_rtn_on_calibration_tokens(awq_store, tiny_model_di
 
 def test_reuse_without_rebuilding(awq_store, tiny_model_dir, monkeypatch):
     model, store = awq_store
-    monkeypatch.setattr(prepare, "build_store", lambda *a, **k: pytest.fail("rebuilt an existing store"))
+    monkeypatch.setattr(store_builder, "build_store", lambda *a, **k: pytest.fail("rebuilt an existing store"))
     again = ensure_host_store(model, spec_for(tiny_model_dir), store.path.parents[3], calibration_ids=CALIB)
     assert again.path == store.path
 

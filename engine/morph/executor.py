@@ -21,12 +21,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from engine.errors import BudgetError
 from engine.morph.actions import ActionResult, MorphAction, MorphState, RestoreLayer, SetQuantizedTarget, SwapLayer
 from engine.morph.host_store import HostStore
-from engine.morph.layer_swapper import LayerSwapper, SwapResult, build_linears
-from engine.morph.prepare import ensure_host_store, prepared_profile_path, store_spec_for
-from engine.morph.swap_order import SwapOrder, resolve_swap_order
+from engine.morph.layer_swapper import LayerSwapper, SwapResult
+from engine.morph.swap_order import SwapOrder
 from engine.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -44,11 +42,6 @@ class MorphExecutor:
         self.swap_order, self.ladder = swap_order, tuple(ladder)
         self.swapper = LayerSwapper(model, host_store, ledger, kv_resizer)
         self._pending: list[MorphAction] = []
-
-    @classmethod
-    def for_engine(cls, engine, setup: "MorphSetup") -> "MorphExecutor":
-        return cls(engine.model, engine.ledger, engine.kv_resizer, engine.pool, setup.host_store,
-                   setup.swap_order, setup.ladder)
 
     @property
     def full_precision(self) -> Precision:
@@ -161,6 +154,7 @@ class MorphExecutor:
                           pending=tuple(self._pending), morphing_enabled=True)
 
     def close(self) -> None:
+        """Stop the prefetch worker (the engine's close())."""
         self.swapper.close()
 
 
@@ -181,45 +175,3 @@ def _as_action_result(action: MorphAction, results: list[SwapResult]) -> ActionR
                         kv_blocks_delta=sum(r.kv_blocks_delta for r in results),
                         swap_seconds=sum(r.swap_seconds for r in results),
                         resize_seconds=sum(r.resize_seconds for r in results), message="; ".join(messages))
-
-
-# -- engine wiring ----------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class MorphSetup:
-    host_store: HostStore
-    swap_order: SwapOrder
-    ladder: tuple[Precision, ...]  # full first
-
-
-def prepare_morphing(engine, files) -> MorphSetup:
-    """Before the engine plans its memory: build or open the host store, load the swap order (both
-    validated: errors are ModelLoadError), and make the model fit the budget. When the budget cannot
-    hold the full-precision model, layers are swapped to the lowest rung in swap order until it can
-    (the engine starts morphed); BudgetError, with the minimum, when not even all of them suffice."""
-    config, n = engine.config, engine.model_config.num_layers
-    ladder = (engine.full_precision, *config.ladder)
-    spec = store_spec_for(config, files.name, files.hf_dir)
-    store = ensure_host_store(engine.model, spec, config.cache_path, engine.tokenizer)
-    order = resolve_swap_order(n, files.name, config.profile, prepared_profile_path(config.cache_path, files.name))
-    try:
-        engine._plan_memory()
-    except BudgetError as full_error:
-        _start_morphed(engine, store, order, ladder[-1], full_error)
-    return MorphSetup(store, order, ladder)
-
-
-def _start_morphed(engine, store: HostStore, order: SwapOrder, lowest: Precision, full_error: BudgetError) -> None:
-    device = engine.model.embed_weight.device
-    for count, layer in enumerate(order.order, start=1):
-        linears, norms = build_linears(store.read(layer, lowest, device), device)
-        engine.model.layers[layer].set_weights(linears, norms)
-        try:
-            engine._plan_memory()
-        except BudgetError as e:
-            last = e
-            continue
-        logger.warning("memory budget too small for the full-precision model (%s); starting with %d layers at %s",
-                       full_error, count, lowest.value)
-        return
-    raise BudgetError(f"even with every layer at {lowest.value}: {last}") from None
-

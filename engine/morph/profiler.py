@@ -34,17 +34,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention import AttentionMetadata, PrefillChunk
 from engine.model import Transformer
 from engine.model_config import ModelConfig
-from engine.morph.prepare import CALIBRATION_TEXT
+from engine.morph.calibration import DenseRunner, as_batch, calibration_text, full_precision_pass, token_windows
 from engine.precision import Precision, parse_dtype
-from engine.quant.awq import (LayerCalibration, LayerWeights, QuantizedLayer, awq_quantize_layer, quantize_layer_rtn,
-                              record_calibration)
+from engine.quant.awq import LayerCalibration, LayerWeights, QuantizedLayer, awq_quantize_layer, quantize_layer_rtn
 
 logger = logging.getLogger(__name__)
 WEIGHTS = (0.25, 0.25, 0.5)  # LTS, LRS, MDS
-DEFAULT_TEXT = CALIBRATION_TEXT  # ../shared/text/wikitext-2-valid.txt beside the repository
 # Quantizes layer p to INT4 given its full-precision weights and calibration activations.
 Quantizer = Callable[[int, LayerWeights, LayerCalibration], QuantizedLayer]
 
@@ -52,60 +49,6 @@ Quantizer = Callable[[int, LayerWeights, LayerCalibration], QuantizedLayer]
 def token_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     """Mean over tokens of the per-token cosine similarity; a, b: [T, H]."""
     return float(F.cosine_similarity(a.float(), b.float(), dim=-1).mean())
-
-
-def text_half(path: Path, half: str) -> str:
-    """The first ("calibration") or second ("evaluation") half of a text file, split at the middle
-    line, so calibration and evaluation never share a line."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
-    mid = len(lines) // 2
-    if half not in ("first", "second"):
-        raise ValueError(f"half must be 'first' or 'second', got {half!r}")
-    return "".join(lines[:mid] if half == "first" else lines[mid:])
-
-
-class DenseRunner:
-    """Runs B whole sequences of S tokens through a Transformer layer by layer, without a paged cache:
-    every sequence is a prefill chunk at position 0, so attention uses its fresh K/V only and the
-    K/V written to the scratch cache (one block of T slots, shared by all layers) is never read."""
-
-    def __init__(self, model: Transformer, num_seqs: int, seq_len: int):
-        if seq_len > model.max_positions:
-            raise ValueError(f"seq_len {seq_len} exceeds the model's {model.max_positions} positions")
-        self.model, t = model, num_seqs * seq_len
-        device, c = model.embed_weight.device, model.config
-        self.positions = torch.arange(seq_len, device=device).repeat(num_seqs)  # [T]
-        self.meta = AttentionMetadata(
-            write_blocks=torch.zeros(t, dtype=torch.long, device=device),
-            write_offsets=torch.arange(t, device=device), decode=None,
-            prefills=tuple(PrefillChunk(i * seq_len, (i + 1) * seq_len, 0, None, None) for i in range(num_seqs)))
-        scratch = torch.empty(1, t, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=device)
-        self.kv = (scratch, torch.empty_like(scratch))
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [B, S] long -> [T, H]."""
-        return F.embedding(tokens.reshape(-1).to(self.model.embed_weight.device), self.model.embed_weight)
-
-    def run_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return self.model.layers[i](x, self.positions, self.model.rotary, self.meta, self.kv)
-
-    def run_layers(self, x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
-        for i in range(start, self.model.config.num_layers if stop is None else stop):
-            x = self.run_layer(i, x)
-        return x
-
-    def final(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's final hidden state (after the last RMSNorm): [T, H]."""
-        return self.model.norm(x)
-
-
-def layer_weights(model: Transformer, i: int, device: str | torch.device | None = None) -> LayerWeights:
-    """Layer i's current (full-precision) tensors as a LayerWeights record (no copies unless moved)."""
-    linears = model.layers[i].get_linears()
-    move = (lambda t: t) if device is None else (lambda t: t.to(device))
-    return LayerWeights(linears={n: move(lin.weight) for n, lin in linears.items()},
-                        norms={n: move(t) for n, t in model.layers[i].get_norm_weights().items()},
-                        biases={n: move(lin.bias) for n, lin in linears.items() if lin.bias is not None})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,17 +106,10 @@ class LayerSwitch:
         self.model.layers[i].set_weights(*self.full[i])
 
 
-def full_precision_pass(runner: DenseRunner, x0: torch.Tensor, quantize: Quantizer,
-                         ) -> tuple[list[torch.Tensor], dict[int, QuantizedLayer]]:
-    """Inputs of every layer (inputs[L] = last layer's output) and each layer's INT4 variant,
-    quantized from the activations that this very pass records."""
-    model, inputs, quantized = runner.model, [x0], {}
-    for i in range(model.config.num_layers):
-        with record_calibration(model.layers[i]) as calib:
-            inputs.append(runner.run_layer(i, inputs[i]))
-        # Quantizers run on CPU (AWQ's calibration activations are kept there); a no-op on CPU.
-        quantized[i] = quantize(i, layer_weights(model, i, "cpu"), calib[0])
-    return inputs, quantized
+def quantize_all(model: Transformer, calib: Sequence[LayerCalibration], quantize: "Quantizer") -> dict[int, QuantizedLayer]:
+    """Every layer's quantized variant, from its full-precision weights and calibration activations.
+    Quantizers run on CPU (AWQ's calibration activations are kept there)."""
+    return {i: quantize(i, LayerWeights.of_layer(layer, "cpu"), calib[i]) for i, layer in enumerate(model.layers)}
 
 
 def profile_layers(model: Transformer, tokens: torch.Tensor, quantize: Quantizer, model_name: str = "",
@@ -188,10 +124,9 @@ def profile_layers(model: Transformer, tokens: torch.Tensor, quantize: Quantizer
         raise ValueError(f"mds_sequences must be in 1..{num_seqs} (the calibration sequences), got {mds_sequences}")
     start = time.perf_counter()
     num_layers = model.config.num_layers
-    runner = DenseRunner(model, num_seqs, seq_len)
+    runner, inputs, calib = full_precision_pass(model, tokens)
     with torch.inference_mode():
-        inputs, quantized = full_precision_pass(runner, runner.embed(tokens), quantize)
-        switch = LayerSwitch(model, quantized)
+        switch = LayerSwitch(model, quantize_all(model, calib, quantize))
         lts = {p: token_cosine(inputs[p + 1], inputs[p]) for p in range(num_layers)}
         lrs = {}
         for p in range(num_layers):
@@ -272,33 +207,14 @@ def make_quantizer(method: str, config: ModelConfig, group_size: int = 128, awq_
     return Int4Quantizer(method, config, group_size, awq_grid)
 
 
-def calibration_tokens(token_ids: Sequence[int], num_seqs: int, seq_len: int) -> torch.Tensor:
-    """The first num_seqs * seq_len tokens as [num_seqs, seq_len]."""
-    need = num_seqs * seq_len
-    if len(token_ids) < need:
-        raise ValueError(f"the calibration text has {len(token_ids)} tokens, {need} are needed "
-                         f"({num_seqs} x {seq_len}); lower --sequences / --seq-len")
-    return torch.tensor(list(token_ids[:need]), dtype=torch.long).view(num_seqs, seq_len)
-
-
-def load_model(spec: str, dtype: torch.dtype, device: str = "cpu"):
-    """(served name, hf folder, Transformer) for 'default', a .gguf file or a Hugging Face folder."""
-    from engine.config import default_cache_dir
-    from engine.loader import load_config, load_weights, resolve_model
-    from engine.model import build_model
-
-    files = resolve_model(spec, default_cache_dir())
-    model = build_model(load_config(files.hf_dir), load_weights(files.hf_dir, dtype), dtype, device)
-    return files.name, files.hf_dir, model
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    from engine.tokenizer import Tokenizer
+    from engine.loader import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="'default', a .gguf file or a Hugging Face folder")
     ap.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
-    ap.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="calibration text; its FIRST half is used")
+    ap.add_argument("--calibration", default="sharegpt",
+                    help="'sharegpt', 'wikitext2' (its first half) or a text file (its first half)")
     ap.add_argument("--sequences", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--mds-sequences", type=int, default=1,
@@ -309,18 +225,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--awq-grid", type=int, default=6, help="AWQ alphas searched (the host store uses 6)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--cache-dir", type=Path, default=None, help="model cache (default $MORPHSERVE_CACHE)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    name, hf_dir, model = load_model(args.model, parse_dtype(args.dtype), args.device)
-    ids = Tokenizer.from_dir(hf_dir).encode(text_half(args.text, "first"))
-    tokens = calibration_tokens(ids, args.sequences, args.seq_len)
-    quantizer = make_quantizer(args.quantizer, model.config, args.group_size, args.awq_grid)
-    calibration = {"file": str(args.text), "text": "first half (by lines)"}
-    profile = profile_layers(model, tokens, quantizer, name, calibration, args.mds_sequences)
+    loaded = load_model(args.model, parse_dtype(args.dtype), args.device, args.cache_dir)
+    text = calibration_text(args.calibration)
+    tokens = as_batch(token_windows(loaded.tokenizer, text.text, args.sequences, args.seq_len))
+    quantizer = make_quantizer(args.quantizer, loaded.config, args.group_size, args.awq_grid)
+    profile = profile_layers(loaded.model, tokens, quantizer, loaded.files.name, text.describe(), args.mds_sequences)
     profile.write(args.out)
-    print(f"{name}: swap order {profile.order} ({profile.calibration['seconds']} s) -> {args.out}")
+    print(f"{loaded.files.name}: swap order {profile.order} ({profile.calibration['seconds']} s) -> {args.out}")
 
 
 if __name__ == "__main__":

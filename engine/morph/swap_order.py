@@ -43,6 +43,11 @@ def committed_profile_path(model_name: str) -> Path:
     return PROFILES_DIR / f"{model_name}{PROFILE_SUFFIX}"
 
 
+def prepared_profile_path(cache_dir: Path, model_name: str) -> Path:
+    """Where `python -m engine.morph.prepare --profile` writes a model's profile (preferred to the committed one)."""
+    return Path(cache_dir) / "models" / model_name / f"{model_name}{PROFILE_SUFFIX}"
+
+
 def load_swap_order(path: str | Path, num_layers: int, model_name: str | None = None) -> SwapOrder:
     """Read and validate a profile; ModelLoadError says what is wrong and what to do."""
     path = Path(path)

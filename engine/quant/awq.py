@@ -50,6 +50,18 @@ class LayerWeights:
     biases: Mapping[str, Tensor]  # only the linears that have one
 
     @classmethod
+    def of_layer(cls, layer: torch.nn.Module, device: torch.device | str | None = None) -> LayerWeights:
+        """A decoder layer's tensors as it holds them (no copies unless moved to `device`). It must be
+        at full precision: quantized linears have no dense weight to give."""
+        linears = layer.get_linears()
+        if not all(lin.precision.is_full for lin in linears.values()):
+            raise ValueError("the layer is not at full precision; take its weights before any swap")
+        move = (lambda t: t) if device is None else (lambda t: t.to(device))
+        return cls(linears={n: move(lin.weight) for n, lin in linears.items()},
+                   norms={n: move(t) for n, t in layer.get_norm_weights().items()},
+                   biases={n: move(lin.bias) for n, lin in linears.items() if lin.bias is not None})
+
+    @classmethod
     def from_hf(cls, tensors: Mapping[str, Tensor]) -> LayerWeights:
         """From HF names without the layer prefix ('self_attn.q_proj.weight', 'input_layernorm.weight')."""
         missing = [hf_name(n) for n in LINEAR_NAMES if hf_name(n) not in tensors]

@@ -24,7 +24,9 @@ from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.kv_storage import KVStorage
 from engine.model import Transformer
 from engine.model_runner import ModelRunner
-from engine.morph.profiler import LayerSwitch, layer_weights, load_model
+from engine.loader import load_model
+from engine.morph.profiler import LayerSwitch
+from engine.quant.awq import LayerWeights
 from engine.precision import Precision, parse_dtype
 from engine.quant.awq import quantize_layer_rtn
 
@@ -96,12 +98,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    name, _, model = load_model(args.model, parse_dtype(args.dtype), args.device)
+    loaded = load_model(args.model, parse_dtype(args.dtype), args.device)
+    name, model = loaded.files.name, loaded.model
     num_layers = model.config.num_layers
     if max(args.layers) > num_layers:
         raise SystemExit(f"--layers {args.layers}: the model has only {num_layers} layers")
     order = resolve_swap_order(num_layers, name)
-    int4 = {i: quantize_layer_rtn(layer_weights(model, i), Precision.INT4) for i in order.order[:max(args.layers)]}
+    int4 = {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4) for i in order.order[:max(args.layers)]}
     results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
                     args.rounds, args.steps)
     report = {"model": name, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),

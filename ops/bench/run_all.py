@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from engine import datasets
 from ops.bench.bench_settings import BenchConfig, goal_lines, workload_spec
 from ops.bench.loadgen import load_requests, reference_answers
 from ops.bench.prompts import build_prompts
@@ -29,7 +30,6 @@ from ops.bench.systems import (ALL_SYSTEMS, QUICK_SYSTEMS, STATIC_FP, STATIC_INT
 from ops.bench.traces import load_trace
 from ops.bench.workload import build_workload
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -39,7 +39,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--window-s", type=float, default=None, help="trace window in seconds (default 8)")
     ap.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS, help="systems to run, in order")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default ops/bench/results/<timestamp>)")
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="trace CSV; default: the Azure conversation trace (engine/datasets.py finds or downloads it)")
     ap.add_argument("--model", default="default", help="'default' or a Hugging Face folder / .gguf")
     ap.add_argument("--no-perplexity", action="store_true", help="skip WikiText-2 perplexity of the static modes "
                     "(--quick always skips it)")
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = plan_budget(facts, cfg.max_model_len, cfg.kv_sequences, cfg.block_size, cfg.max_num_batched_tokens,
                        weight_bytes=_engine_weight_bytes(files.hf_dir))
     specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers)}
-    workload = build_workload(load_trace(args.trace), workload_spec(cfg))
+    workload = build_workload(load_trace(datasets.resolve("azure_conv", args.trace)), workload_spec(cfg))
     encode, decode = _tokenizer(files.hf_dir)
     prompts = build_prompts(workload.requests, encode, decode, seed=cfg.seed)
     requests = load_requests(workload.requests, prompts)

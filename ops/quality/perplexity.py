@@ -1,14 +1,15 @@
 """WikiText-2 perplexity of the model with some of its layers quantized, run directly (no server).
 
-Evaluation text: the SECOND half (by lines) of the shared WikiText-2 validation file; the profiler
-calibrates on the first half, so the two never overlap. The first `--tokens` tokens of that half are
+Evaluation text: the SECOND half (by lines) of WikiText-2's validation split (engine/datasets.py finds
+or downloads it); calibration on WikiText-2 uses the first half, so the two never overlap. The first `--tokens` tokens of that half are
 cut into non-overlapping windows of `--window` tokens; each window starts a fresh context, and every
 token but a window's first is predicted. Perplexity = exp(mean NLL over all predicted tokens).
 
 Configurations (quantized layers set with DecoderLayer.set_weights, then restored):
     full precision; all layers INT8 (RTN, per channel); all layers INT4;
     N layers INT4 chosen by the LIS profile, front-to-back, and at random (mean of 3 seeds), N = 8, 15.
-INT4 uses the host store's quantizer (the project's AWQ by default, calibrated on the first half).
+INT4 uses the host store's quantizer (the project's AWQ by default, calibrated on the host store's
+default text, ShareGPT conversations; --calibration-text wikitext2 takes WikiText-2's first half).
 
     python -m ops.quality.perplexity --model default --out perplexity.json
 """
@@ -27,11 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine import datasets
 from engine.model import Transformer
-from engine.morph.profiler import (DEFAULT_TEXT, DenseRunner, LayerSwitch, calibration_tokens, full_precision_pass,
-                                   layer_weights, load_model, make_quantizer, text_half)
+from engine.morph.calibration import DenseRunner, as_batch, calibration_text, full_precision_pass, token_windows
+from engine.morph.profiler import LayerSwitch, make_quantizer, quantize_all
 from engine.precision import Precision, parse_dtype
-from engine.quant.awq import QuantizedLayer, quantize_layer_rtn
+from engine.quant.awq import LayerWeights, QuantizedLayer, quantize_layer_rtn
 
 logger = logging.getLogger(__name__)
 RANDOM_SEEDS = (0, 1, 2)
@@ -81,10 +83,9 @@ def quantized_variants(model: Transformer, calib: torch.Tensor, int4_method: str
                        ) -> tuple[dict[int, QuantizedLayer], dict[int, QuantizedLayer]]:
     """Every layer in RTN INT8 and in INT4 (AWQ calibrated on `calib` [B, S], or RTN), as the host store
     builds them."""
-    runner = DenseRunner(model, *calib.shape)
-    with torch.inference_mode():
-        _, int4 = full_precision_pass(runner, runner.embed(calib), make_quantizer(int4_method, model.config))
-    int8 = {i: quantize_layer_rtn(layer_weights(model, i), Precision.INT8) for i in range(model.config.num_layers)}
+    _, _, activations = full_precision_pass(model, calib)
+    int4 = quantize_all(model, activations, make_quantizer(int4_method, model.config))
+    int8 = {i: quantize_layer_rtn(LayerWeights.of_layer(layer), Precision.INT8) for i, layer in enumerate(model.layers)}
     return int8, int4
 
 
@@ -136,13 +137,13 @@ def format_table(results: dict, counts: Sequence[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from engine.loader import load_model
     from engine.morph.swap_order import committed_profile_path, load_swap_order
-    from engine.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--out", type=Path, default=Path("perplexity.json"))
-    ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    ap.add_argument("--text", type=Path, default=None, help="evaluation text (its second half); default WikiText-2")
     ap.add_argument("--tokens", type=int, default=4096, help="evaluation tokens from the start of the second half")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 15], help="INT4 layer counts to compare orders at")
@@ -151,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--quantizer", choices=("awq", "rtn"), default="awq")
     ap.add_argument("--calibration", type=int, nargs=2, default=[4, 128], metavar=("SEQS", "LEN"),
-                    help="first-half sequences AWQ calibrates on (the profiler's defaults)")
+                    help="token windows AWQ calibrates on (the profiler's defaults)")
+    ap.add_argument("--calibration-text", default="sharegpt", help="sharegpt, wikitext2 or a text file")
     ap.add_argument("--store", type=Path, default=None,
                     help="a built host store folder: take its INT8 / INT4 variants instead of quantizing here")
     ap.add_argument("--threads", type=int, default=None)
@@ -160,22 +162,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    name, hf_dir, model = load_model(args.model, parse_dtype(args.dtype), args.device)
+    loaded = load_model(args.model, parse_dtype(args.dtype), args.device)
+    name, model, tokenizer = loaded.files.name, loaded.model, loaded.tokenizer
     profile_path = args.profile or committed_profile_path(name)
     lis_order = load_swap_order(profile_path, model.config.num_layers, name).order
-    tokenizer = Tokenizer.from_dir(hf_dir)
-    eval_ids = tokenizer.encode(text_half(args.text, "second"))[:args.tokens]
+    text_path = datasets.resolve("wikitext2", args.text)
+    eval_ids = tokenizer.encode(datasets.text_half(text_path, "second"))[:args.tokens]
     if len(eval_ids) < args.tokens:
         raise SystemExit(f"the second half has only {len(eval_ids)} tokens; lower --tokens")
     if args.store is not None:
         int8, int4 = store_variants(args.store)
         quantizer = f"host store {args.store}"
     else:
-        calib = calibration_tokens(tokenizer.encode(text_half(args.text, "first")), *args.calibration)
+        text = calibration_text(args.calibration_text)
+        calib = as_batch(token_windows(tokenizer, text.text, *args.calibration))
         int8, int4 = quantized_variants(model, calib, args.quantizer)
-        quantizer = args.quantizer
+        quantizer = f"{args.quantizer} on {text.source}"
     results = evaluate(model, int8, int4, lis_order, eval_ids, args.window, args.layers)
-    report = {"model": name, "dtype": args.dtype, "text": f"{args.text} (second half by lines)",
+    report = {"model": name, "dtype": args.dtype, "text": f"{text_path} (second half by lines)",
               "tokens": len(eval_ids), "window": args.window, "int4_quantizer": quantizer,
               "int8_quantizer": "rtn per-channel", "profile": str(profile_path), "lis_order": list(lis_order),
               "random_seeds": list(RANDOM_SEEDS), "results": results,
