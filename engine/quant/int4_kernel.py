@@ -19,15 +19,12 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from engine.quant.int4_record import Int4Weight
 from engine.quant.int8 import KERNEL_DTYPE, kernel_works
-
-if TYPE_CHECKING:
-    from engine.quant.int4 import Int4Weight
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 DEQUANT_LAYOUT = "dequant"
