@@ -72,10 +72,23 @@ class ControllerClient:
         self.last_directive = directive
         return directive
 
+    async def set_mode(self, mode: str) -> None:
+        """Switch the fleet's policy mode (the controller's set_mode) through the same handle as the
+        reports, with the same deadline; raises when the controller does not answer (the caller
+        keeps the mode as a pin and tries again)."""
+        try:
+            await asyncio.wait_for(self._call("set_mode", mode), self.timeout_s)
+        except Exception:
+            self._handle = None  # look the actor up again next time
+            raise
+
     async def _ask(self, snapshot: PressureSnapshot, morph_state: MorphState) -> Directive:
+        return await self._call("report", self.replica_id, snapshot, morph_state)
+
+    async def _call(self, method: str, *args: Any) -> Any:
         if self._handle is None:
             self._handle = await asyncio.to_thread(self._resolve)
-        return await self._handle.report.remote(self.replica_id, snapshot, morph_state)
+        return await getattr(self._handle, method).remote(*args)
 
     def _on_failure(self, error: Exception) -> None:
         if self._reachable or self.last_error is None:  # log transitions, not every report

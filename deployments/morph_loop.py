@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from controller.client import ControllerClient
@@ -34,7 +33,6 @@ from engine.precision import Precision
 from engine.pressure import PressureSnapshot
 
 log = logging.getLogger("morphserve.replica")
-SetFleetMode = Callable[[str], Awaitable[Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +70,12 @@ class LoopRecord:
 
 class MorphLoop:
     def __init__(self, engine: Any, client: ControllerClient, metrics: ServeMetrics, *, interval_s: float = 0.25,
-                 max_layers_per_step: int = 2, set_fleet_mode: SetFleetMode | None = None):
+                 max_layers_per_step: int = 2):
         """`engine`: an AsyncLLMEngine (run_at_step_boundary, apply, morph_results_since)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.engine, self.client, self.metrics = engine, client, metrics
         self.interval_s, self.max_layers_per_step = interval_s, max_layers_per_step
-        self._set_fleet_mode = set_fleet_mode
         self.pins = AdminPins()
         self.last: LoopRecord | None = None
         self.rounds = 0
@@ -169,19 +166,18 @@ class MorphLoop:
         wanted = self.pins.mode
         if wanted is None or directive.source != "controller" or directive.mode == wanted:
             return
-        if self._set_fleet_mode is not None:
-            try:
-                await asyncio.wait_for(self._set_fleet_mode(wanted), self.client.timeout_s)
-            except Exception as e:  # the controller went away again: the next round retries
-                log.warning("could not set the fleet mode to %s: %s", wanted, e)
+        try:
+            await self.client.set_mode(wanted)
+        except Exception as e:  # the controller went away again: the next round retries
+            log.warning("could not set the fleet mode to %s: %s", wanted, e)
 
     # -- the operator ------------------------------------------------------------------------
     async def update(self, update: AdminUpdate) -> None:
         default = self.last.directive.precision if self.last else Precision.INT4
         self.pins = self.pins.updated(update, default)
-        if update.mode is not None and self._set_fleet_mode is not None:
+        if update.mode is not None:
             try:
-                await asyncio.wait_for(self._set_fleet_mode(update.mode), self.client.timeout_s)
+                await self.client.set_mode(update.mode)
             except Exception as e:  # kept as a pin; asserted again once the controller answers
                 log.warning("fleet controller did not take mode %s yet: %s", update.mode, e)
 

@@ -71,8 +71,7 @@ class LLMServer:
                                   namespace=self.args.controller_namespace, timeout_s=self.args.controller_timeout_s,
                                   create_with=self.args.fleet_config())
         self.morph_loop = MorphLoop(self.engine, client, self.metrics, interval_s=self.args.report_interval_s,
-                                    max_layers_per_step=self.args.max_layers_per_step,
-                                    set_fleet_mode=self._set_fleet_mode)
+                                    max_layers_per_step=self.args.max_layers_per_step)
         self.morph_loop.start()
         log.info("replica %s serves %s (loaded in %.1f s)", self.replica_id, self.engine.model_name, self.load_seconds)
 
@@ -150,13 +149,6 @@ class LLMServer:
     def _mode(self) -> str:
         last = self.morph_loop.last
         return self.morph_loop.pins.mode or (last.directive.mode if last else self.args.mode)
-
-    async def _set_fleet_mode(self, mode: str) -> None:
-        import ray
-
-        actor = await asyncio.to_thread(ray.get_actor, self.args.controller_name,
-                                        namespace=self.args.controller_namespace)
-        await actor.set_mode.remote(mode)
 
     # -- Ray Serve hooks ---------------------------------------------------------------------
     def record_autoscaling_stats(self) -> dict[str, float]:

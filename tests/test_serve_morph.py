@@ -98,14 +98,14 @@ class FakeController:
 
         self.report = Method(lambda rid, snap, state: Directive(outer.target, Precision.INT4, outer.mode, "fake",
                                                                 "controller"))
+        self.set_mode = Method(self.modes_set.append)  # records; the controller's mode stays as set here
 
 
-def make_loop(engine: FakeEngine, resolve, set_fleet_mode=None) -> tuple[MorphLoop, ServeMetrics]:
+def make_loop(engine: FakeEngine, resolve) -> tuple[MorphLoop, ServeMetrics]:
     metrics = ServeMetrics("fake", InMemoryBackend())
     client = ControllerClient("replica-1", PolicyConfig(mode="performance", **FAST_POLICY), timeout_s=0.5,
                               resolve=resolve)
-    return MorphLoop(engine, client, metrics, interval_s=0.1, max_layers_per_step=2,
-                     set_fleet_mode=set_fleet_mode), metrics
+    return MorphLoop(engine, client, metrics, interval_s=0.1, max_layers_per_step=2), metrics
 
 
 def unreachable():
@@ -191,12 +191,8 @@ def test_moves_the_engine_reports_between_rounds_are_counted():
 
 def test_operator_pins_override_the_directive():
     engine, controller = FakeEngine(), FakeController(target=2)
-    modes: list[str] = []
-
-    async def set_mode(mode: str) -> None:
-        modes.append(mode)
-
-    loop, _ = make_loop(engine, lambda: controller, set_mode)
+    modes = controller.modes_set  # what reached the controller's set_mode, through the client
+    loop, _ = make_loop(engine, lambda: controller)
     asyncio.run(loop.run_once())
     asyncio.run(loop.update(AdminUpdate(quantized_layers=6, precision="int8")))
     asyncio.run(loop.run_once())
