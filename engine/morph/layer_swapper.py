@@ -34,7 +34,6 @@ from engine.model import Transformer
 from engine.morph.host_store import HostStore, StoredLayer
 from engine.morph.kv_resizer import KVResizer
 from engine.precision import Precision
-from engine.quant import make_linear
 from engine.quant.awq import LayerWeights
 
 logger = logging.getLogger(__name__)
@@ -77,20 +76,13 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-def _record_to(record, device: torch.device):
-    """A copy of an Int8Weight / Int4Weight whose tensors live on `device`."""
-    moved = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
-    return type(record)(**moved)
-
-
 def build_linears(stored: StoredLayer, device: torch.device) -> tuple[dict[str, Linear], dict[str, torch.Tensor]]:
     """Modules for a stored layer on `device`: the 7 linears and the 2 norm weights to install."""
-    bias = {n: b.to(device) for n, b in stored.biases.items()}
     if isinstance(stored, LayerWeights):
+        bias = {n: b.to(device) for n, b in stored.biases.items()}
         linears = {n: DenseLinear(w.to(device), bias.get(n)) for n, w in stored.linears.items()}
     else:
-        linears = {n: make_linear(_record_to(r, device), bias.get(n)) for n, r in stored.linears.items()}
+        linears = stored.build_linears(device)
     return linears, {n: t.to(device) for n, t in stored.norms.items()}
 
 
