@@ -56,6 +56,7 @@ class AppArgs(BaseModel):
     api_key: str | None = Field(None, description=f"when set, /v1/* needs it as a bearer token (default: ${API_KEY_ENV})")
     admin_token: str | None = Field(None, description=f"when set, /admin/* is on with this bearer token (default: ${ADMIN_TOKEN_ENV})")
     retry_after_s: int = Field(1, ge=0)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body; larger -> 413")
 
     @model_validator(mode="before")
     @classmethod
@@ -108,7 +109,8 @@ class AppArgs(BaseModel):
     def ingress_settings(self) -> IngressSettings:
         # Ray Serve's proxy already returns x-request-id; the app must not add a second one.
         return IngressSettings(api_key=self.api_key, admin_token=self.admin_token,
-                               retry_after_s=self.retry_after_s, echo_request_id=False)
+                               retry_after_s=self.retry_after_s, max_body_bytes=self.max_body_bytes,
+                               echo_request_id=False)
 
 
 def parse_app_args(args: dict[str, Any] | None) -> AppArgs:

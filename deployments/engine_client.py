@@ -67,6 +67,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     created: int  # unix seconds when the engine loaded the model
+    stop_limits: tuple[int, int] | None = None  # (most stop strings, longest in characters); None: no limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +194,10 @@ class HandleEngineClient:
         return await self._call("admin_status")
 
     async def admin_set(self, update: AdminUpdate) -> dict[str, Any]:
-        return await self._call("admin_set", update)
+        result = await self._call("admin_set", update)
+        if isinstance(result, EngineErrorInfo):  # refused: an error crosses Ray as a value
+            raise exception_from_error_info(result)
+        return result
 
 
 def chunk_from_output(output: RequestOutput) -> GenerateChunk:

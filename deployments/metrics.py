@@ -14,12 +14,18 @@ from typing import Any, Protocol
 from engine.morph.actions import ActionResult, MorphState
 from engine.pressure import PressureSnapshot
 
-# Seconds. TTFT / e2e follow vLLM's buckets (CPU serving is slow, so they reach minutes); ITL is
-# finer because one decode step is milliseconds on a GPU.
-TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0]
-ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5]
-E2E_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0]
-QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+# Seconds. Where a metric has vLLM's name, it has vLLM's boundaries (so dashboards and queries
+# written for vLLM read ours alike), with one addition: TTFT also has 2.0 s, the benchmark's TTFT
+# SLO, so "fraction of requests over the SLO" is exact (ops/monitoring/build_dashboard.py).
+_VLLM_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+              20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TTFT_BUCKETS = sorted({*_VLLM_TTFT, 2.0})
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+# vLLM's request-latency boundaries: e2e latency and queue time.
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+E2E_BUCKETS = QUEUE_BUCKETS = REQUEST_LATENCY_BUCKETS
 MORPH_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
 PREFIX = "morphserve_"
@@ -140,7 +146,7 @@ class ServeMetrics:
         self.ttft = b.histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS, m)
         self.itl = b.histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS, m)
         self.e2e = b.histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS, m)
-        self.queue_time = b.histogram(PREFIX + "request_queue_time_seconds", "Time waiting before first schedule", QUEUE_BUCKETS, m)
+        self.queue_time = b.histogram(PREFIX + "request_queue_time_seconds", "Arrival in the engine to first schedule", QUEUE_BUCKETS, m)
         self.running = b.gauge(PREFIX + "num_requests_running", "Requests being processed", m)
         self.waiting = b.gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled", m)
         self.queue_delay = b.gauge(PREFIX + "queue_delay_seconds", "Wait of the oldest waiting request", m)

@@ -59,6 +59,19 @@ class AdminPins:
         return pins
 
 
+def pin_problem(pins: AdminPins, state: MorphState, ladder: tuple[Precision, ...] | None) -> tuple[str, str] | None:
+    """(parameter, why) this engine can never hold the pin, or None. Checked when the pin is made,
+    so that an impossible pin is a 400 at the call, not a refusal from the engine every round."""
+    n = len(state.layer_precisions)
+    if not state.morphing_enabled:
+        return "quantized_layers", "this engine runs without morphing (enable_morphing is false); nothing can be pinned"
+    if not 0 <= pins.quantized_layers <= n:
+        return "quantized_layers", f"quantized_layers must be in [0, {n}] (this model has {n} layers), got {pins.quantized_layers}"
+    if ladder is not None and pins.precision not in ladder:
+        return "precision", f"precision must be one of {[p.value for p in ladder]} (the engine's morph_ladder), got {pins.precision.value}"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopRecord:
     """What the latest round saw and did (admin status, tests)."""
@@ -70,12 +83,15 @@ class LoopRecord:
 
 class MorphLoop:
     def __init__(self, engine: Any, client: ControllerClient, metrics: ServeMetrics, *, interval_s: float = 0.25,
-                 max_layers_per_step: int = 2):
-        """`engine`: an AsyncLLMEngine (run_at_step_boundary, apply, morph_results_since)."""
+                 max_layers_per_step: int = 2, ladder: tuple[Precision, ...] | None = None):
+        """`engine`: an AsyncLLMEngine (run_at_step_boundary, apply, morph_results_since). `ladder`:
+        the engine's lower rungs (EngineConfig.ladder), so a pin at another precision is refused
+        when it is made."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.engine, self.client, self.metrics = engine, client, metrics
         self.interval_s, self.max_layers_per_step = interval_s, max_layers_per_step
+        self.ladder = ladder
         self.pins = AdminPins()
         self.last: LoopRecord | None = None
         self.rounds = 0
@@ -174,7 +190,14 @@ class MorphLoop:
     # -- the operator ------------------------------------------------------------------------
     async def update(self, update: AdminUpdate) -> None:
         default = self.last.directive.precision if self.last else Precision.INT4
-        self.pins = self.pins.updated(update, default)
+        pins = self.pins.updated(update, default)
+        if pins.quantized_layers is not None:
+            _, state = await self.observe()
+            problem = pin_problem(pins, state, self.ladder)
+            if problem is not None:
+                param, message = problem
+                raise InvalidRequestError(message, param=param)
+        self.pins = pins
         if update.mode is not None:
             try:
                 await self.client.set_mode(update.mode)

@@ -20,13 +20,12 @@ from ray import serve
 from controller.client import ControllerClient
 from deployments.app_args import AppArgs
 from deployments.autoscaling import KV_USAGE_METRIC, SCALE_OUT_METRIC, WAITING_METRIC
-from deployments.engine_client import (AdminUpdate, GenerateChunk, GenerateRequest, ModelInfo, chunk_from_output,
-                                       stream_with_error_chunks)
+from deployments.engine_client import (AdminUpdate, EngineErrorInfo, GenerateChunk, GenerateRequest, ModelInfo,
+                                       chunk_from_output, error_info_from_exception, stream_with_error_chunks)
 from deployments.metrics import ServeMetrics
 from deployments.morph_loop import MorphLoop
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("morphserve.replica")
@@ -41,14 +40,6 @@ def resolve_device(wanted: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def queue_time_s(output: RequestOutput) -> float | None:
-    """Arrival to first schedule. The engine reports arrival and first-token times; until it also
-    reports when the request was first scheduled, the first token stands in (an upper bound that
-    includes the prefill)."""
-    scheduled = getattr(output, "first_scheduled_time", None) or output.first_token_time
-    return None if scheduled is None else max(0.0, scheduled - output.arrival_time)
-
-
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -60,7 +51,7 @@ class LLMServer:
     async def __init__(self, args: AppArgs | dict):
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
-        config = self.args.engine_config(resolve_device(self.args.device))
+        self.config = config = self.args.engine_config(resolve_device(self.args.device))
         started = time.monotonic()
         # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
@@ -71,7 +62,7 @@ class LLMServer:
                                   namespace=self.args.controller_namespace, timeout_s=self.args.controller_timeout_s,
                                   create_with=self.args.fleet_config())
         self.morph_loop = MorphLoop(self.engine, client, self.metrics, interval_s=self.args.report_interval_s,
-                                    max_layers_per_step=self.args.max_layers_per_step)
+                                    max_layers_per_step=self.args.max_layers_per_step, ladder=config.ladder)
         self.morph_loop.start()
         log.info("replica %s serves %s (loaded in %.1f s)", self.replica_id, self.engine.model_name, self.load_seconds)
 
@@ -89,7 +80,7 @@ class LLMServer:
             async for output in stream:
                 chunk = dataclasses.replace(chunk_from_output(output), request_id=request.request_id)
                 if output.finished:
-                    waited = queue_time_s(output)
+                    waited = output.queue_time_s
                     if waited is not None:
                         self.metrics.observe_queue_time(waited)
                         chunk = dataclasses.replace(chunk, queue_time_s=round(waited, 6))
@@ -102,7 +93,7 @@ class LLMServer:
         eos = tuple(sorted(set(self.engine.model_config.eos_token_ids) |
                            set(tokenizer.eos_token_ids if tokenizer is not None else ())))
         return ModelInfo(self.engine.model_name, self.engine.max_model_len, self.engine.model_config.vocab_size,
-                         eos, self.created)
+                         eos, self.created, (self.config.max_stop_strings, self.config.max_stop_string_chars))
 
     def _tokenizer(self):
         if self.engine.tokenizer is None:
@@ -110,12 +101,15 @@ class LLMServer:
                                       param="prompt")
         return self.engine.tokenizer
 
+    # Tokenizing a long prompt takes a while: on a worker thread, so the replica's event loop keeps
+    # streaming other requests and answering health checks meanwhile.
     async def tokenize(self, text: str) -> list[int]:
-        return list(self._tokenizer().encode(text))
+        tokenizer = self._tokenizer()
+        return await asyncio.to_thread(lambda: list(tokenizer.encode(text)))
 
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         tokenizer = self._tokenizer()
-        return list(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+        return await asyncio.to_thread(lambda: list(tokenizer.encode(tokenizer.apply_chat_template(messages))))
 
     async def check_health(self) -> None:
         """Also Ray Serve's health check: the stepping thread must answer at a step boundary."""
@@ -142,8 +136,12 @@ class LLMServer:
             **self.morph_loop.status(),
         }
 
-    async def admin_set(self, update: AdminUpdate) -> dict[str, Any]:
-        await self.morph_loop.update(update)
+    async def admin_set(self, update: AdminUpdate) -> dict[str, Any] | EngineErrorInfo:
+        """The new status, or why the update is impossible (as a value: see engine_client)."""
+        try:
+            await self.morph_loop.update(update)
+        except InvalidRequestError as e:
+            return error_info_from_exception(e)
         return await self.admin_status()
 
     def _mode(self) -> str:

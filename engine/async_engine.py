@@ -13,7 +13,8 @@ thread, so the engine needs no locks; the loop never blocks on a step.
 What the morph executor did (results of apply() and of every step boundary) goes into a bounded log;
 a reader keeps a cursor: `morph_results_since(cursor) -> (cursor, results)`.
 A consumer that stops iterating (or is cancelled: client disconnect) aborts its request at once,
-freeing its blocks. A step that raises fails only the requests in it; the loop keeps serving.
+freeing its blocks. A request that makes a step raise fails alone (LLMEngine isolates it); the
+loop keeps serving.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, StepFailed
+from engine.errors import EngineDeadError, InvalidRequestError, StepFailed
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import ActionResult, MorphAction, MorphState
 from engine.outputs import RequestOutput
@@ -35,6 +36,14 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Command = tuple[Callable[[LLMEngine], Any], "asyncio.AbstractEventLoop | None", "asyncio.Future | None"]
+
+
+def _consumer_error(out: RequestOutput) -> Exception:
+    """What the consumer of a request the engine failed alone raises: the request's own fault stays
+    an InvalidRequestError (-> 400); anything else is a StepFailed naming it (-> 500)."""
+    if isinstance(out.error, InvalidRequestError):
+        return out.error
+    return StepFailed((out.request_id,), out.error)
 
 
 def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -218,12 +227,6 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             result = self.engine.step()
-        except StepFailed as e:  # the engine already aborted these requests
-            self._log_morph(e.morph_results)
-            self._morph_moving = True  # their blocks are free now
-            for rid in e.request_ids:
-                self._deliver(rid, e, last=True)
-            return
         except Exception as e:  # outside the model step: reset every request to stay consistent
             logger.exception("engine step failed outside the model; failing requests %s", list(self._sinks))
             self._morph_moving = False  # do not retry a failing morph action in a loop while idle
@@ -232,9 +235,12 @@ class AsyncLLMEngine:
                 self._deliver(rid, e, last=True)
             return
         self._log_morph(result.morph_results)
-        self._morph_moving = bool(result.morph_results or result.outputs)
+        self._morph_moving = bool(result.morph_results or result.outputs)  # a failed request freed blocks too
         for out in result.outputs:
-            self._deliver(out.request_id, out, last=out.finished)
+            if out.error is not None:  # the engine failed this request alone (already aborted)
+                self._deliver(out.request_id, _consumer_error(out), last=True)
+            else:
+                self._deliver(out.request_id, out, last=out.finished)
 
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:
         sink = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)

@@ -44,6 +44,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="most requests running at once")
     max_model_len: int | None = Field(None, ge=16, description="context length; default: the model's, capped at 8192")
     max_waiting: int = Field(256, ge=1, description="waiting-queue bound; beyond it requests are refused (HTTP 503)")
+    max_stop_strings: int = Field(16, ge=0, description="most stop strings one request may give (each is searched after every token)")
+    max_stop_string_chars: int = Field(256, ge=1, description="longest stop string, in characters (as much text is held back while streaming)")
     morph_ladder: tuple[str, ...] = Field(("int8", "int4"), description="lower rungs a layer can be swapped to, in order")
     int4_group_size: int = Field(128, description="INT4 group size; falls back to 64/32 where a layer's input size needs it")
     enable_morphing: bool = True

@@ -45,8 +45,9 @@ class EngineDeadError(MorphServeError):
 
 
 class StepFailed(MorphServeError):
-    """A model step raised; the requests in it were aborted (their blocks freed). Others are intact.
-    `morph_results`: what the morph executor ran at that step's boundary, before the model step."""
+    """A request made the engine step raise: it was aborted alone (its blocks freed), the others in
+    that step went on (engine/step_isolation.py). What the async engine raises to that request's
+    consumer. `morph_results`: what the morph executor ran at that step's boundary, if reported."""
 
     def __init__(self, request_ids: tuple[str, ...], cause: BaseException,
                  morph_results: tuple[ActionResult, ...] = ()):

@@ -6,19 +6,22 @@ sample one token for each chunk that ends at its request's last token -> stop ch
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
+from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine_builder import EngineParts, build_engine_parts
-from engine.errors import EngineOverloadedError, InvalidRequestError, StepFailed
+from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.morph.actions import ActionResult, MorphAction, MorphState
 from engine.outputs import RequestOutput, StepResult
 from engine.pressure import PressureSnapshot
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
+from engine.step_isolation import Sampled, forward_isolating
 from engine.sequence import Sequence, SequenceStatus, StopChecker
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        params.check_stop_limits(self.config.max_stop_strings, self.config.max_stop_string_chars)
         token_ids = self._prompt_tokens(prompt)
         self._check_lengths(len(token_ids), params)
         if self.scheduler.num_waiting >= self.config.max_waiting:
@@ -108,19 +112,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return StepResult((), morph_results)
+        self._mark_scheduled(out, time.monotonic())
         try:
-            logits = self.runner.execute(out)
-            outputs = self._process(out, logits)
-        except Exception as e:
-            ids = tuple(dict.fromkeys(c.request_id for c in out.chunks))
-            logger.exception("engine step failed for requests %s; aborting them", list(ids))
-            for rid in ids:
-                if rid in self._requests:
-                    self._finish(self._requests[rid], "abort", time.monotonic())
-            raise StepFailed(ids, e, morph_results) from e
+            generators = [s.generator for s in self._sampled_seqs(out) if not s.params.greedy]
+            sampled, failed = forward_isolating(out, self._forward, generators)
+            return StepResult(tuple(self._commit(sampled, failed)), morph_results)
         finally:
             self.monitor.on_step()
-        return StepResult(tuple(outputs), morph_results)
 
     def _at_step_boundary(self) -> tuple[ActionResult, ...]:
         """Where pending morph actions run: no model step is reading weights or KV now."""
@@ -128,14 +126,40 @@ class LLMEngine:
             return ()
         return tuple(self.morph_executor.run_pending())
 
-    def _process(self, out, logits: torch.Tensor) -> list[RequestOutput]:
+    def _mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
         for c in out.chunks:
-            self._requests[c.request_id].num_computed_tokens = c.end_pos
-        seqs = [self._requests[c.request_id] for c in out.chunks if c.needs_logits]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            seq = self._requests[c.request_id]
+            if seq.first_scheduled_time is None:  # kept across preemptions: queue time is the first wait
+                seq.first_scheduled_time = now
+
+    def _sampled_seqs(self, out: SchedulerOutput) -> list[Sequence]:
+        return [self._requests[c.request_id] for c in out.chunks if c.needs_logits]
+
+    def _forward(self, out: SchedulerOutput) -> list[Sampled]:
+        """Model + sampler for `out`: (chunk, sampled token or None when the chunk needs no logits)."""
+        logits = self.runner.execute(out)
+        seqs = self._sampled_seqs(out)
+        tokens = iter(sample(logits, [s.params for s in seqs], [s.generator for s in seqs]))
+        return [(c, next(tokens) if c.needs_logits else None) for c in out.chunks]
+
+    def _commit(self, sampled: list[Sampled], failed: list[tuple[str, Exception]]) -> list[RequestOutput]:
         now = time.monotonic()
-        self.monitor.record_tokens(now, len(tokens))
-        return [self._append_token(seq, token, now) for seq, token in zip(seqs, tokens)]
+        outputs = [self._fail(self._requests[rid], e, now) for rid, e in failed]
+        for c, _ in sampled:
+            self._requests[c.request_id].num_computed_tokens = c.end_pos
+        appended = [(self._requests[c.request_id], token) for c, token in sampled if token is not None]
+        self.monitor.record_tokens(now, len(appended))
+        for seq, token in appended:
+            try:
+                outputs.append(self._append_token(seq, token, now))
+            except Exception as e:  # noqa: BLE001 - e.g. its detokenizer: this request alone fails
+                logger.exception("request %s failed after its token was sampled; aborting it", seq.request_id)
+                outputs.append(self._fail(seq, e, now))
+        return outputs
+
+    def _fail(self, seq: Sequence, error: Exception, now: float) -> RequestOutput:
+        self._finish(seq, "abort", now)
+        return dataclasses.replace(self._output(seq, ""), error=error)
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.output_token_ids.append(token)
@@ -164,7 +188,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, text=text, token_ids=new_ids, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, finish_reason=seq.finish_reason,
-            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+            first_scheduled_time=seq.first_scheduled_time)
 
     # -- pressure and morphing ---------------------------------------------------------------
     def pressure(self) -> PressureSnapshot:

@@ -21,10 +21,18 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    first_scheduled_time: float | None = None  # when a step first ran any of its tokens (queue time ends)
+    # Set when the engine failed this request alone (a step raised for it): finish_reason is "abort".
+    error: Exception | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def queue_time_s(self) -> float | None:
+        """Arrival to first schedule (None until scheduled)."""
+        return None if self.first_scheduled_time is None else max(0.0, self.first_scheduled_time - self.arrival_time)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ def _filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
+    k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.

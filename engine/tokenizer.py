@@ -131,7 +131,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(text).__name__}", param="prompt")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call releases the GIL while the Rust side works,
+        # so a long prompt tokenized on a worker thread leaves the caller's event loop running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

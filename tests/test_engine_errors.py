@@ -55,7 +55,8 @@ def test_max_model_len_beyond_the_model_context(tiny_model_dir):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(stop=5), "stop"),
+    (dict(top_k=2**63), "top_k"), (dict(top_k=-2), "top_k"), (dict(stop=5), "stop"),
+    (dict(seed=2**64), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(stop_token_ids=[2**63]), "stop_token_ids"),
     (dict(stop=["ok", 3]), "stop"), (dict(stop={"a": 1}), "stop"), (dict(max_tokens="4"), "max_tokens"),
     (dict(temperature=float("nan")), "temperature"), (dict(bogus=1), "bogus"),
 ])

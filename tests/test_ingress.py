@@ -14,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from deployments.engine_client import HandleEngineClient
-from deployments.fake_engine import FakeEngine
+from tests.fakes import FakeEngine
 from deployments.ingress import IngressSettings, build_ingress_app
 from deployments.metrics import InMemoryBackend, ServeMetrics
 from engine.errors import InvalidRequestError
@@ -70,7 +70,7 @@ def test_chat_completion_body(client):
     assert body["object"] == "chat.completion" and body["model"] == MODEL and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
                                 "finish_reason": "stop", "logprobs": None}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}  # + eos, as LLMEngine counts it
 
 
 def test_completion_body_with_max_tokens(client, engine):
@@ -100,7 +100,7 @@ def test_chat_stream_with_usage(client):
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert content == "Hi!"
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-2]["choices"][0]["delta"] == {}
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4  # "Hi!" + eos
 
 
 def test_completion_stream(client):
@@ -147,12 +147,29 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": 2}, "logprobs"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "top_k": -3}, "top_k"),
     (COMPLETIONS, {"prompt": "x"}, "model"),
+    # issue 12: ranges the sampler cannot hold, and text no tokenizer can encode
+    (CHAT, {**user("x"), "top_k": 2**63}, "top_k"),
+    (CHAT, {**user("x"), "top_k": 4611686018427387904000}, "top_k"),
+    (CHAT, {**user("x"), "seed": 2**64}, "seed"),
+    (CHAT, {**user("x"), "seed": -(2**63) - 1}, "seed"),
+    (CHAT, {**user("x"), "stop": [""]}, "stop"),
+    (CHAT, {**user("x"), "stop_token_ids": [2**63]}, "stop_token_ids"),
+    (CHAT, {**user("x"), "max_completion_tokens": -1}, "max_tokens"),
+    (CHAT, user("a\ud800b"), "messages.0.content"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages.0.content"),
+    (CHAT, {**user("x"), "stop": ["\ud800"]}, "stop.0"),
+    (CHAT, {**user("x"), "stop": ["a", "b", "c", "d", "e"]}, "stop"),  # the fake engine's limit: 4 strings
+    (CHAT, {**user("x"), "stop": ["123456789"]}, "stop"),  # ... of at most 8 characters
+    (COMPLETIONS, {"model": MODEL, "prompt": "\ud800"}, "prompt"),
 ]
 
 
 @pytest.mark.parametrize("path, body, param", BAD_REQUESTS)
 def test_bad_requests_are_400_with_an_openai_body(client, engine, path, body, param):
-    error = assert_openai_error(client.post(path, json=body), 400, param)
+    raw = json.dumps(body)  # ASCII escapes: JSON can carry a lone surrogate that UTF-8 cannot
+    error = assert_openai_error(client.post(path, content=raw, headers={"content-type": "application/json"}),
+                                400, param)
     assert error["type"] == "invalid_request_error"
     assert engine.in_flight == set()
 
@@ -307,12 +324,12 @@ def test_ingress_records_request_metrics(backend):
         c.post(COMPLETIONS, json={"model": MODEL, "prompt": "abcdef", "max_tokens": 2})
     m, tags = backend.metrics, {"model_name": MODEL}
     assert m["morphserve_time_to_first_token_seconds"].count(**tags) == 2
-    assert m["morphserve_inter_token_latency_seconds"].count(**tags) == 3 + 1
+    assert m["morphserve_inter_token_latency_seconds"].count(**tags) == 4 + 1  # gaps: 5 tokens of "abcd" + eos, 2 of "ab"
     assert m["morphserve_e2e_request_latency_seconds"].count(**tags) == 2
     assert m["morphserve_request_success"].value(finished_reason="stop", **tags) == 1
     assert m["morphserve_request_success"].value(finished_reason="length", **tags) == 1
     assert m["morphserve_prompt_tokens"].value(**tags) == 4 + 6
-    assert m["morphserve_generation_tokens"].value(**tags) == 4 + 2
+    assert m["morphserve_generation_tokens"].value(**tags) == 5 + 2
     assert m["morphserve_inter_token_latency_seconds"].value(**tags) > 0
 
 
@@ -348,12 +365,12 @@ def test_official_openai_client(engine):
         stack.callback(client.close)  # no idle keep-alive connection to hold up the server's stop
         assert [m.id for m in client.models.list()] == [MODEL]
         answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}])
-        assert answer.choices[0].message.content == "Hello" and answer.usage.total_tokens == 10
+        assert answer.choices[0].message.content == "Hello" and answer.usage.total_tokens == 11
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hey"}],
                                                 stream=True, stream_options={"include_usage": True})
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hey"
-        assert chunks[-1].usage.completion_tokens == 3
+        assert chunks[-1].usage.completion_tokens == 4
         text = client.completions.create(model=MODEL, prompt="abc", max_tokens=2)
         assert text.choices[0].text == "ab" and text.choices[0].finish_reason == "length"
         pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt="xyz", stream=True)]
@@ -458,3 +475,18 @@ def test_request_id_header_can_be_left_to_a_proxy(engine):
     with TestClient(build_ingress_app(engine, IngressSettings(echo_request_id=False))) as c:
         r = c.post(CHAT, json=user("x"), headers={"x-request-id": "from-proxy"})
     assert "x-request-id" not in r.headers and r.json()["id"] == "chatcmpl-from-proxy"
+
+
+def test_a_body_over_the_limit_is_413_with_an_openai_body(engine):
+    app = build_ingress_app(engine, IngressSettings(max_body_bytes=4096))
+    big = user("x" * 5000)
+    with TestClient(app) as c:
+        assert_openai_error(c.post(CHAT, json=big), 413)  # Content-Length says so: refused unread
+
+        def chunks():  # no Content-Length (chunked upload): refused once the bytes pass the limit
+            raw = json.dumps(big).encode()
+            for i in range(0, len(raw), 1000):
+                yield raw[i:i + 1000]
+        assert_openai_error(c.post(CHAT, content=chunks(), headers={"content-type": "application/json"}), 413)
+        assert c.post(CHAT, json=user("small")).status_code == 200
+    assert engine.requests and all(r.prompt_token_ids == tuple(map(ord, "small")) for r in engine.requests)

@@ -14,7 +14,7 @@ from deployments.engine_client import (AdminUpdate, EngineClient, EngineErrorInf
                                        GenerateChunk, GenerateRequest, HandleEngineClient, ModelInfo,
                                        error_info_from_exception, exception_from_error_info,
                                        stream_with_error_chunks)
-from deployments.fake_engine import FakeEngine
+from tests.fakes import FakeEngine
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 
@@ -53,9 +53,10 @@ def test_content_parts_are_joined_and_non_text_parts_refused():
 def test_sampling_fields_normalize_stop_and_top_k():
     req = p.ChatCompletionRequest.model_validate(chat(stop="END", top_k=0, temperature=0.0, seed=7))
     fields = req.sampling_fields()
-    assert fields["stop"] == ("END",) and fields["top_k"] == -1 and fields["temperature"] == 0.0
+    assert fields["stop"] == ("END",) and fields["top_k"] == 0 and fields["temperature"] == 0.0
     assert fields["seed"] == 7 and "top_p" not in fields  # unset fields keep the engine's defaults
-    SamplingParams.create(max_tokens=4, **fields)  # the engine accepts what the ingress produces
+    params = SamplingParams.create(max_tokens=4, **fields)  # the engine accepts what the ingress produces
+    assert params.top_k == -1  # vLLM's convention: 0 and -1 both mean "disabled"; SamplingParams decides
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -279,3 +280,15 @@ def test_chunk_from_engine_output():
 
     out = RequestOutput("r", "hi", (5, 6), 3, 2, "length", 0.0, 0.1, 0.2)
     assert chunk_from_output(out) == GenerateChunk("r", "hi", (5, 6), "length", 3, 2)
+
+
+def test_handle_client_raises_a_refused_admin_update_with_its_param():
+    class RefusingReplica(FakeReplica):
+        async def admin_set(self, update):  # what LLMServer returns for an impossible pin
+            return EngineErrorInfo("invalid_request", "quantized_layers must be in [0, 30]", "quantized_layers")
+
+    client = HandleEngineClient(FakeHandle(RefusingReplica(FakeEngine())))
+    with pytest.raises(InvalidRequestError) as info:
+        run(client.admin_set(AdminUpdate(quantized_layers=1000)))
+    assert info.value.param == "quantized_layers" and "[0, 30]" in str(info.value)
+    assert run(HandleEngineClient(FakeHandle(FakeReplica(FakeEngine()))).admin_set(AdminUpdate(mode="accuracy")))["mode"] == "accuracy"

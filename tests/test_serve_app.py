@@ -185,6 +185,14 @@ BAD_REQUESTS = [  # (body changes, status, param)
     ({"messages": []}, 400, None),
     ({"n": 2}, 400, "n"),
     ({"top_p": 1.5}, 400, "top_p"),
+    # issue 12: values that used to reach the engine and fail there (500, or the whole batch)
+    ({"top_k": 2**63}, 400, "top_k"),
+    ({"top_k": 4611686018427387904000}, 400, "top_k"),
+    ({"seed": 2**64}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages.0.content"),
+    ({"stop": [f"s{i}" for i in range(17)]}, 400, "stop"),  # beyond max_stop_strings (engine config)
+    ({"stop": ["x" * 257]}, 400, "stop"),  # beyond max_stop_string_chars
+    ({"messages": [{"role": "user", "content": "x" * (1 << 20)}]}, 413, None),  # beyond max_body_bytes
 ]
 
 
@@ -205,6 +213,10 @@ def test_bad_requests_get_openai_errors_and_the_replica_keeps_serving(app_url, c
         got, body = http("POST", app_url + "/v1/chat/completions", base, headers)
         assert got == 401 and body["error"]["code"] == "invalid_api_key"
     assert http("GET", app_url + "/admin/morph", headers=auth)[0] == 401  # the api key is not the admin token
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    got, body = http("POST", app_url + "/admin/morph", {"quantized_layers": 1000}, admin)
+    assert got == 400 and body["error"]["param"] == "quantized_layers" and "[0, 30]" in body["error"]["message"]
+    assert http("GET", app_url + "/admin/morph", headers=admin)[1]["pins"]["quantized_layers"] is None
     answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT_PROMPT, max_tokens=4)
     assert answer.choices[0].message.content
     assert http("GET", app_url + "/health")[0] == 200

@@ -5,6 +5,7 @@ the fleet controller mid-traffic leaves the replica serving on its local policy 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import threading
 
@@ -348,3 +349,31 @@ def test_killing_the_controller_mid_traffic_falls_back_to_the_local_policy(morph
     assert after["instance_id"] != before["instance_id"]
     assert replica_id in after["replicas"] and after["replicas"][replica_id]["reports"] >= 1
     assert admin_status(url, ADMIN)["directive"]["source"] == "controller"
+
+
+def test_impossible_pins_are_refused_when_made_and_the_old_pins_stay():
+    from deployments.morph_loop import AdminPins, pin_problem
+    from engine.errors import InvalidRequestError
+
+    state = FakeEngine().state()
+    ladder = (Precision.INT4,)
+    assert pin_problem(AdminPins(quantized_layers=NUM_LAYERS, precision=Precision.INT4), state, ladder) is None
+    param, why = pin_problem(AdminPins(quantized_layers=1000, precision=Precision.INT4), state, ladder)
+    assert param == "quantized_layers" and f"[0, {NUM_LAYERS}]" in why and "1000" in why
+    assert "[0," in pin_problem(AdminPins(quantized_layers=-1, precision=Precision.INT4), state, ladder)[1]
+    param, why = pin_problem(AdminPins(quantized_layers=1, precision=Precision.INT8), state, ladder)
+    assert param == "precision" and "morph_ladder" in why
+    frozen = dataclasses.replace(state, morphing_enabled=False)
+    assert "without morphing" in pin_problem(AdminPins(quantized_layers=1, precision=Precision.INT4), frozen, None)[1]
+
+    engine = FakeEngine()
+    loop, _ = make_loop(engine, unreachable)
+    loop.ladder = ladder
+    asyncio.run(loop.update(AdminUpdate(quantized_layers=2, precision="int4")))
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(loop.update(AdminUpdate(quantized_layers=1000)))
+    assert err.value.param == "quantized_layers"
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(loop.update(AdminUpdate(quantized_layers=1, precision="int8")))
+    assert err.value.param == "precision"
+    assert loop.pins.quantized_layers == 2  # a refused update changes nothing

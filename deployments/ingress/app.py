@@ -11,7 +11,7 @@ from deployments.engine_client import EngineClient
 from deployments.ingress.admin import admin_router
 from deployments.ingress.auth import api_key_guard
 from deployments.ingress.errors import HTTPError, validation_error
-from deployments.ingress.middleware import RequestIdMiddleware
+from deployments.ingress.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from deployments.ingress.server import IngressServer
 from deployments.ingress.settings import IngressSettings
 from deployments.metrics import ServeMetrics
@@ -24,7 +24,8 @@ def build_ingress_app(engine: EngineClient, settings: IngressSettings | None = N
     server = IngressServer(engine, settings or IngressSettings(), metrics)
     app = FastAPI(title="MorphServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    app.add_middleware(RequestIdMiddleware, echo_header=server.settings.echo_request_id)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server.settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware, echo_header=server.settings.echo_request_id)  # outermost
 
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc)

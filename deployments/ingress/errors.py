@@ -32,11 +32,17 @@ def error_payload(exc: BaseException, rid: str, retry_after_s: int) -> tuple[int
     return 500, error_body(500, f"internal error while serving {rid}; the server log has details"), {}
 
 
+def _union_tag(part: object) -> bool:
+    """pydantic names the member of a union that failed ("str", "list[int]", "function-after[...]")
+    in the error's location; the client's parameter path is the fields and indexes alone."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
 def validation_error(exc: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 details -> 400 with one OpenAI-style message naming the parameter."""
     parts, param = [], None
     for err in exc.errors()[:3]:
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body" and not _union_tag(x))
         param = param or (where or None)
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where else msg)

@@ -18,6 +18,7 @@ from deployments.ingress.errors import HTTPError, error_payload
 from deployments.ingress.settings import IngressSettings
 from deployments.ingress.sse import SSE_DONE, SSEResponse, close_stream, sse_event, unless_disconnected
 from deployments.metrics import RequestTimer, ServeMetrics
+from engine.sampling_params import SamplingParams
 
 Render = Callable[[GenerateChunk], list[dict]]
 
@@ -141,6 +142,7 @@ class IngressServer:
         timer, rid = RequestTimer(), _request_id(request, "cmpl")
         body.check_supported()
         info = await self.checked_model(body.model)
+        check_sampling(body, body.max_tokens, info)
         if isinstance(body.prompt, str):
             ids = await self.engine.tokenize(body.prompt)
         else:
@@ -157,6 +159,7 @@ class IngressServer:
         timer, rid = RequestTimer(), _request_id(request, "chatcmpl")
         body.check_supported()
         info = await self.checked_model(body.model)
+        check_sampling(body, body.requested_max_tokens(), info)
         ids = await self.engine.tokenize_chat(body.chat_messages())
         max_tokens = self.max_tokens(info, len(ids), body.requested_max_tokens(), None, "messages")
         gen = GenerateRequest(rid, tuple(ids), max_tokens, **body.sampling_fields())
@@ -178,9 +181,13 @@ class IngressServer:
         return JSONResponse({"status": "ok"})
 
 
-def _request_id(request: Request, prefix: str) -> str:
-    request.state.request_id = f"{prefix}-{request.state.request_base}"
-    return request.state.request_id
+def check_sampling(body: p.ChatCompletionRequest | p.CompletionRequest, max_tokens: int | None,
+                   info: ModelInfo) -> None:
+    """Fail fast, before any tokenizing or queueing, with the engine's own validator and limits (the
+    engine checks the same again; nothing here decides what a value means)."""
+    params = SamplingParams.create(max_tokens=max_tokens, **body.sampling_fields())
+    if info.stop_limits is not None:
+        params.check_stop_limits(*info.stop_limits)
 
 
 def _request_id(request: Request, prefix: str) -> str:

@@ -12,4 +12,5 @@ class IngressSettings(BaseModel):
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 503 when the engine is full")
     completion_max_tokens: int = Field(16, ge=1, description="/v1/completions default max_tokens (OpenAI's); chat defaults to the context left")
     health_timeout_s: float = Field(5.0, gt=0, description="/health fails when the engine does not answer within this")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body accepted; larger -> 413 before it is read in full")
     echo_request_id: bool = Field(True, description="add x-request-id to responses; False behind Ray Serve, whose proxy adds it")

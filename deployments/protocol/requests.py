@@ -1,16 +1,30 @@
 """OpenAI request bodies (pydantic): /v1/completions, /v1/chat/completions, and POST /admin/morph.
 
-Requests are strict about types ("0.5" is not a number) and ignore unknown fields, as OpenAI and
-vLLM do; features the engine does not have (n > 1, best_of, logprobs, tools, penalties) are refused
-with a message that names them rather than silently ignored.
+These models check shapes only: types are strict ("0.5" is not a number), strings must be valid
+Unicode text (a lone surrogate such as "\\ud800" is refused here, naming the field), unknown fields
+are ignored as OpenAI and vLLM do. What a value means (ranges, sampling semantics) is checked once,
+by engine/sampling_params.py. Features the engine does not have (n > 1, best_of, logprobs, tools,
+penalties) are refused with a message that names them rather than silently ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from deployments.protocol.errors import UnsupportedFeature
+
+
+def _unicode_text(value: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer or UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: a lone surrogate at character {e.start}") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class StreamOptions(BaseModel):
@@ -23,13 +37,13 @@ class _SamplingRequest(BaseModel):
     stop_token_ids and ignore_eos)."""
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    model: Text
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = Field(None, description="vLLM extension; -1 or 0 = disabled")
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
@@ -38,24 +52,14 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, v: Any) -> Any:
-        if v is None:
-            return v
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v is not None and v < -1:
-            raise ValueError("top_k must be -1 or 0 (disabled) or >= 1")
+        v = [v] if isinstance(v, str) else v  # OpenAI: a string or a list of strings
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise ValueError("stop must be a string or a list of strings")
         return v
 
     def check_supported(self) -> None:
@@ -79,7 +83,7 @@ class _SamplingRequest(BaseModel):
         if self.top_p is not None:
             fields["top_p"] = self.top_p
         if self.top_k is not None:
-            fields["top_k"] = -1 if self.top_k in (-1, 0) else self.top_k
+            fields["top_k"] = self.top_k
         return fields
 
     @property
@@ -88,7 +92,7 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | list[int]
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
@@ -123,14 +127,14 @@ class CompletionRequest(_SamplingRequest):
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -152,7 +156,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -176,5 +180,5 @@ class MorphAdminRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     mode: Literal["accuracy", "balanced", "performance"] | None = None
     morphing_enabled: bool | None = None
-    quantized_layers: int | None = Field(None, ge=0)
+    quantized_layers: int | None = None  # its range (0..layers) is the replica's to check
     precision: Literal["int8", "int4"] | None = None

@@ -1,10 +1,12 @@
-"""FakeEngine: a deterministic EngineClient without a model, for tests and for demoing the ingress.
+"""FakeEngine: a deterministic EngineClient without a model, for the HTTP layer's unit tests.
 
 Tokens are Unicode code points (token id = ord(char)). The chat template joins the messages'
-contents with newlines. The "model" echoes the prompt token by token, then stops (end of sequence);
-with ignore_eos it keeps cycling through the prompt until max_tokens. Sampling parameters are
-validated by the engine's own SamplingParams, so bad values fail here as they do in the real engine.
-It records every request, every abort (a generator closed before it finished) and admin calls.
+contents with newlines. The "model" echoes the prompt token by token, then samples the end-of-
+sequence token; with ignore_eos it keeps cycling through the prompt until max_tokens. Everything
+but the model is the real engine's: SamplingParams validates the parameters, and the engine's own
+StopChecker turns tokens into streamed text and decides stops (stop strings held back, stop ids,
+eos), token by token as LLMEngine does. It records every request, every abort (a generator closed
+before it finished) and admin calls.
 """
 from __future__ import annotations
 
@@ -16,9 +18,19 @@ from typing import Any, AsyncIterator
 from deployments.engine_client import AdminUpdate, GenerateChunk, GenerateRequest, ModelInfo
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.sequence import StopChecker
 
 EOS_TOKEN_ID = 0
 VOCAB_SIZE = 0x110000  # every Unicode code point
+
+
+class CodePointTokenizer:
+    """Token id i <-> chr(i): what IncrementalDetokenizer needs of a tokenizer."""
+
+    eos_token_ids = (EOS_TOKEN_ID,)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS_TOKEN_ID))
 
 
 class FakeEngine:
@@ -71,41 +83,28 @@ class FakeEngine:
 
     async def _echo(self, request: GenerateRequest, params: SamplingParams,
                     fault: tuple[BaseException, int] | None) -> AsyncIterator[GenerateChunk]:
-        prompt, text, sent, count = request.prompt_token_ids, "", 0, 0
-        while True:
-            if fault is not None and count == fault[1]:
+        prompt = request.prompt_token_ids
+        checker = StopChecker(CodePointTokenizer(), params, frozenset({EOS_TOKEN_ID}), prompt)
+        for count in range(1, params.max_tokens + 1):
+            if fault is not None and count - 1 == fault[1]:
                 raise fault[0]
-            token = prompt[count % len(prompt)]
-            at_eos = (count == len(prompt) or token == EOS_TOKEN_ID) and not params.ignore_eos
-            if at_eos or token in params.stop_token_ids:
-                yield self._chunk(request, text[sent:], (), "stop", count)  # flush held-back text
-                return
             await asyncio.sleep(self.token_delay_s)  # also lets other requests and disconnects run
-            count += 1
-            text += chr(token)
-            stop_at = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if stop_at >= 0:
-                yield self._chunk(request, text[sent:stop_at], (token,), "stop", count)
+            # The "model": the prompt again, then end of sequence (as LLMEngine._append_token goes on).
+            at_end = count == len(prompt) + 1 and not params.ignore_eos
+            token = EOS_TOKEN_ID if at_end else prompt[(count - 1) % len(prompt)]
+            reason = checker.push(token)
+            if reason is None and count >= params.max_tokens:
+                reason = "length"
+            yield self._chunk(request, checker.flush(finished=reason is not None), (token,), reason, count)
+            if reason is not None:
                 return
-            finish = "length" if count >= params.max_tokens else None
-            # Hold back a tail that may still become a stop string (as a real detokenizer must).
-            keep = 0 if finish else self._stop_prefix_len(text, params.stop)
-            delta, sent = text[sent:len(text) - keep], max(sent, len(text) - keep)
-            yield self._chunk(request, delta, (token,), finish, count)
-            if finish:
-                return
-
-    @staticmethod
-    def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-        """Length of the longest end of `text` that is the start of a stop string."""
-        return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
     def _chunk(self, request: GenerateRequest, text: str, ids: tuple[int, ...], finish: str | None,
                count: int) -> GenerateChunk:
         return GenerateChunk(request.request_id, text, ids, finish, len(request.prompt_token_ids), count)
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo(self.model_name, self.max_model_len, VOCAB_SIZE, (EOS_TOKEN_ID,), self.created)
+        return ModelInfo(self.model_name, self.max_model_len, VOCAB_SIZE, (EOS_TOKEN_ID,), self.created, (4, 8))
 
     async def tokenize(self, text: str) -> list[int]:
         return [ord(c) for c in text]
