@@ -21,8 +21,8 @@ from engine.outputs import RequestOutput, StepResult
 from engine.pressure import PressureSnapshot
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.step_isolation import Sampled, forward_isolating
 from engine.sequence import Sequence, SequenceStatus, StopChecker
+from engine.step_isolation import Sampled, forward_isolating
 
 logger = logging.getLogger(__name__)
 
