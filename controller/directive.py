@@ -18,7 +18,15 @@ class Directive:
     mode: str  # the policy mode that produced it
     reason: str  # one line for logs and status(): why this target
     source: DirectiveSource  # "controller": the fleet answered; "local": the replica's fallback
-    scale_out: bool = False  # sustained pressure with no morph headroom left: more replicas would help
+    scale_out: bool = False  # sustained pressure that morphing cannot relieve: more replicas would help
+    # The replica's current allowed maximum of quantized layers (mode cap and fleet share, never below
+    # what its budget forces): the bound on the engine's own admission-time morphs until the next one.
+    max_quantized: int | None = None
+    reservation_factor: float = 1.0  # output reservation multiplier (SLO feedback; 1 = the engine's config)
+    waiting_for: str = "none"  # what queued requests waited for at the last report: none | memory | compute | unknown
+    slo_level: float | None = None  # SLO feedback level in [0, 1]; None when no SLO is set
+    enter_kv_usage: float | None = None  # the entry thresholds this decision used (SLO feedback moves them)
+    enter_queue_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.target_quantized < 0:
@@ -45,4 +53,7 @@ class Directive:
 
     def summary(self) -> dict:
         return {"target_quantized": self.target_quantized, "precision": self.precision.value, "mode": self.mode,
-                "reason": self.reason, "source": self.source, "scale_out": self.scale_out}
+                "reason": self.reason, "source": self.source, "scale_out": self.scale_out,
+                "max_quantized": self.max_quantized, "reservation_factor": round(self.reservation_factor, 4),
+                "waiting_for": self.waiting_for, "slo_level": self.slo_level,
+                "enter_kv_usage": self.enter_kv_usage, "enter_queue_delay_s": self.enter_queue_delay_s}

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from controller.directive import Directive
 from controller.policy import current_target, decide, is_pressured, morph_cap, pressure_score
 from controller.policy_config import FleetConfig
+from controller.slo import SloState, tune, tuning_for
 from engine.errors import InvalidRequestError
 from engine.morph.actions import MorphState
 from engine.pressure import PressureSnapshot
@@ -40,6 +41,7 @@ class ReplicaView:
     directive: Directive | None = None
     at_cap_since: float | None = None  # the replica's snapshot time when it became saturated
     reports: int = 0
+    slo: SloState = dataclasses.field(default_factory=SloState)  # SLO feedback (controller/slo.py)
 
     def at_cap_for(self) -> float:
         if self.at_cap_since is None or not self.history:
@@ -67,16 +69,22 @@ class FleetController:
         if not isinstance(replica_id, str) or not replica_id:
             raise InvalidRequestError("replica_id must be a non-empty string", param="replica_id")
         now = self._clock()
-        self._forget_silent(now)
         view = self._replicas.get(replica_id)
         if view is None:
             view = ReplicaView(collections.deque(maxlen=self._config.policy.history_len), morph_state, now)
             self._replicas[replica_id] = view
+        # Refreshed before forgetting the silent: a replica whose steps are slower than the timeout
+        # reports rarely but is alive, and must keep its history (else no window ever fills).
+        view.last_report = now
+        self._forget_silent(now)
+        policy = self._config.policy
         if not view.history or snapshot.time > view.history[-1].time:  # drop late retries / duplicates
             view.history.append(snapshot)
-        view.state, view.last_report, view.reports = morph_state, now, view.reports + 1
+            view.slo = tune(view.slo, snapshot.ttft_recent_p95_s, policy.slo)
+        view.state, view.reports = morph_state, view.reports + 1
         grants = self._grants()
-        directive = decide(view.history, view.state, self._config.policy, cap=grants.get(replica_id))
+        tuning = tuning_for(view.slo, policy.active, policy.slo) if policy.slo.slo_ttft_s else None
+        directive = decide(view.history, view.state, policy, cap=grants.get(replica_id), tuning=tuning)
         reason = directive.reason
         if replica_id in grants and grants[replica_id] < morph_cap(view.state, self._config.policy):
             reason += f" [fleet budget grants this replica {grants[replica_id]} layer(s)]"
@@ -107,10 +115,12 @@ class FleetController:
         return sum(pressure_score(s, mode) for s in tail) / len(tail) if tail else 0.0
 
     def _track_saturation(self, view: ReplicaView, directive: Directive, grant: int | None) -> None:
-        """Saturated = at its cap (mode or fleet) while its latest snapshot is still under pressure."""
+        """Saturated = at its cap (mode or fleet), or queueing for compute that morphing cannot help,
+        while its latest snapshot is still under pressure."""
         policy = self._config.policy
         at_cap = current_target(view.state) >= morph_cap(view.state, policy, grant)
-        if not (at_cap and view.history and is_pressured(view.history[-1], policy.active)):
+        compute_bound = directive.scale_out and directive.waiting_for == "compute"
+        if not ((at_cap or compute_bound) and view.history and is_pressured(view.history[-1], policy.active)):
             view.at_cap_since = None
         elif directive.scale_out and view.at_cap_since is None:
             view.at_cap_since = view.history[-1].time
@@ -163,11 +173,17 @@ def _replica_summary(view: ReplicaView, now: float) -> dict:
         "last_snapshot": {"time": s.time, "step": s.step, "kv_usage": round(s.kv_usage, 4),
                           "kv_capacity_blocks": s.kv_capacity_blocks, "num_running": s.num_running,
                           "num_waiting": s.num_waiting, "queue_delay_s": s.queue_delay_s,
-                          "throughput_tok_s": s.throughput_tok_s, "preemptions_total": s.preemptions_total},
+                          "throughput_tok_s": s.throughput_tok_s, "preemptions_total": s.preemptions_total,
+                          "waiting_for": s.waiting_for, "waiting_demand_blocks": s.waiting_demand_blocks,
+                          "available_blocks": s.available_blocks, "ttft_recent_p95_s": s.ttft_recent_p95_s,
+                          "admission_swaps_total": s.admission_swaps_total,
+                          "admission_layers_total": s.admission_layers_total,
+                          "admission_restores_total": s.admission_restores_total},
+        "slo": {"level": round(view.slo.level, 4), "last_ratio": view.slo.last_ratio},
         "morph_state": {"num_layers": len(st.layer_precisions), "num_quantized": st.num_quantized,
                         "precisions": [p.value for p in st.layer_precisions],
                         "swap_order_source": st.swap_order_source, "pending": len(st.pending),
-                        "morphing_enabled": st.morphing_enabled},
+                        "morphing_enabled": st.morphing_enabled, "forced_quantized": st.forced_quantized},
         "directive": view.directive.summary() if view.directive else None,
         "seconds_since_report": round(now - view.last_report, 3),
         "reports": view.reports,

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError, StepFailed
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import ActionResult, MorphAction, MorphState
+from engine.morph.admission import AdmissionGrant, enact
 from engine.outputs import RequestOutput
 from engine.pressure import PressureSnapshot
 from engine.sampling_params import SamplingParams
@@ -150,6 +151,15 @@ class AsyncLLMEngine:
         def run(engine: LLMEngine) -> ActionResult:
             result = engine.apply(action)
             self._log_morph((result,))
+            return result
+        return await self.run_at_step_boundary(run)
+
+    async def enact(self, grant: AdmissionGrant | None, action: MorphAction | None,
+                    seen_moves: int) -> ActionResult | None:
+        """A directive at the next step boundary (engine/morph/admission.py `enact`); the target's result."""
+        def run(engine: LLMEngine) -> ActionResult | None:
+            result, admitted = enact(engine, grant, action, seen_moves)
+            self._log_morph([r for r in (result, admitted) if r is not None])
             return result
         return await self.run_at_step_boundary(run)
 

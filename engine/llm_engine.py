@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.engine_builder import EngineParts, build_engine_parts
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.morph.actions import ActionResult, MorphAction, MorphState
+from engine.morph.admission import AdmissionGrant, AdmissionMorpher
 from engine.outputs import RequestOutput, StepResult
 from engine.pressure import PressureSnapshot
 from engine.sampler import sample
@@ -40,6 +41,9 @@ class LLMEngine:
         self.storage, self.pool, self.kv_manager = parts.storage, parts.pool, parts.kv_manager
         self.scheduler, self.runner, self.monitor = parts.scheduler, parts.runner, parts.monitor
         self.kv_resizer, self.morph_executor = parts.kv_resizer, parts.morph_executor
+        # Morph at admission and restore by demand (engine/morph/admission.py), within the policy's grant.
+        self.admission = AdmissionMorpher.for_engine(self) if self.morph_executor is not None else None
+        self.monitor.admission = self.admission
         self._requests: dict[str, Sequence] = {}
         self._seed_source = torch.Generator().manual_seed(config.seed)
 
@@ -124,7 +128,12 @@ class LLMEngine:
         """Where pending morph actions run: no model step is reading weights or KV now."""
         if self.morph_executor is None:
             return ()
-        return tuple(self.morph_executor.run_pending())
+        results = list(self.morph_executor.run_pending())
+        if self.admission is not None:  # a request the step could start does not fit: swap for it first
+            admitted = self.admission.at_boundary(time.monotonic())
+            if admitted is not None:
+                results.append(admitted)
+        return tuple(results)
 
     def _mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
         for c in out.chunks:
@@ -210,6 +219,11 @@ class LLMEngine:
             return ActionResult(action=action, status="rejected",
                                 message="morphing is disabled (no morph executor on this engine)")
         return self.morph_executor.apply(action)
+
+    def set_admission_grant(self, grant: AdmissionGrant | None) -> None:
+        """What admission-time morphing may do until the next directive (None: nothing)."""
+        if self.admission is not None:
+            self.admission.set_grant(grant)
 
     def close(self) -> None:
         """Stop the morph executor's prefetch worker; the engine takes no more steps."""
