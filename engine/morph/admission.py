@@ -7,7 +7,8 @@
   prompt + output reservation exceeds the free blocks not owed to running requests (or running ones
   are owed more than is free). Size: the fewest layers that free the deficit of the longest FCFS
   prefix of the queue that fits under the cap (engine/morph/sizing.py), all moved at this boundary,
-  before the scheduler runs; the next layers' quantized copies are read ahead while the step runs.
+  before the scheduler runs. The next layers' quantized copies are read ahead while the step runs,
+  and already while the queue as a whole does not fit, before its head is blocked.
 - Bounds: the grant (`AdmissionGrant`, from the replica's last directive): the most layers allowed
   (mode cap and fleet share, never below what the budget forces) and the floor a restore keeps.
   Without a grant nothing morphs here (the engine has not heard from a policy yet).
@@ -142,6 +143,9 @@ class AdmissionMorpher:
             if result is not None and result.layers_changed:  # the episode may end with this swap
                 self._track_blocked(self.demand(), time.monotonic())
             return result
+        if demand.waiting_total_blocks > demand.available_blocks:  # the queue will not fit: read ahead now
+            current = self.executor.num_quantized()
+            self._prefetch(current, max(0, grant.max_quantized - current), grant)
         return self._maybe_restore(demand, grant, now)
 
     def _track_blocked(self, demand: Demand, now: float) -> None:
