@@ -173,7 +173,9 @@ class AdmissionMorpher:
             self._prefetch(current, allowed, grant)
             return None
         before = ex.capacity_blocks()
-        target = SetQuantizedTarget(current + plan.layers, grant.precision, max_layers_per_step=plan.layers)
+        # A policy target already heading further down is kept: these layers now, the rest as it was.
+        count = min(grant.max_quantized, max(current + plan.layers, ex.pending_target() or 0))
+        target = SetQuantizedTarget(count, grant.precision, max_layers_per_step=plan.layers)
         result = ex.replace_target_now(target)
         self._prefetch(current + plan.layers, allowed - plan.layers, grant)
         if result.layers_changed:
@@ -189,6 +191,9 @@ class AdmissionMorpher:
     def _maybe_restore(self, demand: Demand, grant: AdmissionGrant, now: float) -> ActionResult | None:
         ex = self.executor
         current = ex.num_quantized()
+        if ex.pending_target() is not None:  # a target is still moving: let it land before judging demand
+            self._quiet_since = None
+            return None
         layers = ex.restore_layers(current, max(0, current - grant.min_quantized))
         needed = ex.used_blocks() + demand.running_reserved_blocks + demand.waiting_total_blocks
         needs = [ex.layer_bytes_full(layer) - ex.layer_bytes_now(layer) for layer in layers]
@@ -261,6 +266,11 @@ class MorphFigures:
 
     def num_quantized(self) -> int:
         return sum(1 for p in self.swapper.precisions() if not p.is_full)
+
+    def pending_target(self) -> int | None:
+        """The count of a SetQuantizedTarget still moving, if any."""
+        targets = [a.count for a in self.ex.morph_state().pending if isinstance(a, SetQuantizedTarget)]
+        return targets[-1] if targets else None
 
     def next_layers(self, current: int, n: int) -> tuple[int, ...]:
         return self.ex.swap_order.order[current:current + max(0, n)]
