@@ -91,14 +91,17 @@ def test_n_choices_seed_and_logprobs(client, model):
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
         assert all(len(top) >= 2 for top in c.logprobs.top_logprobs)
     # echo: the prompt logprobs of prompt + sampled tokens equal the logprobs sampled with them
-    ids = http("POST", client.base_url.scheme + "://" + client.base_url.host + f":{client.base_url.port}/tokenize",
-               {"prompt": "Once upon a time"})[1]["tokens"]
+    base = f"{client.base_url.scheme}://{client.base_url.host}:{client.base_url.port}"
+    ids = http("POST", base + "/tokenize", {"prompt": "Once upon a time"})[1]["tokens"]
     greedy = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0, logprobs=0)
-    gen_lps = greedy.choices[0].logprobs.token_logprobs
-    echo = client.completions.create(model=model, prompt=greedy.choices[0].text and ids, max_tokens=1,
+    gen = greedy.choices[0].logprobs
+    gen_ids = http("POST", base + "/tokenize", {"prompt": greedy.choices[0].text, "add_special_tokens": False})[1]
+    echo = client.completions.create(model=model, prompt=ids + gen_ids["tokens"], max_tokens=1,
                                      temperature=0, logprobs=0, echo=True)
-    assert echo.choices[0].logprobs.token_logprobs[0] is None
-    assert echo.choices[0].logprobs.token_logprobs[len(ids)] == pytest.approx(gen_lps[0], abs=0.05)
+    echoed = echo.choices[0].logprobs
+    assert echoed.token_logprobs[0] is None and echo.choices[0].text.startswith("Once upon a time")
+    assert echoed.tokens[len(ids):len(ids) + len(gen.tokens)] == gen.tokens  # the same tokens, re-tokenized
+    assert echoed.token_logprobs[len(ids):len(ids) + len(gen.tokens)] == pytest.approx(gen.token_logprobs, abs=0.05)
 
 
 def test_chat_logprobs_streamed_and_not(client, model):
@@ -107,7 +110,7 @@ def test_chat_logprobs_streamed_and_not(client, model):
     whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
     streamed = [e for chunk in client.chat.completions.create(stream=True, **kwargs) for c in chunk.choices
                 if c.logprobs for e in c.logprobs.content]
-    assert len(whole) == len(streamed) == 5 or whole[-1].token == streamed[-1].token
+    assert 1 <= len(whole) == len(streamed) <= 5
     assert [e.token for e in whole] == [e.token for e in streamed]
     assert [e.logprob for e in whole] == pytest.approx([e.logprob for e in streamed], abs=1e-3)
     for e in whole:
