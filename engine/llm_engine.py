@@ -154,7 +154,10 @@ class LLMEngine:
         """Model + sampler for `out`: one result per chunk (token None when the chunk needs no logits),
         with the logprobs its request asked for. Reads request state only (see request_extras)."""
         every_row_of = chunks_needing_every_row(out.chunks, self._requests)
-        logits, every = self.runner.execute_with_chunk_logits(out, every_row_of)
+        if every_row_of:  # some request wants prompt logprobs: the logits of every row of its chunk too
+            logits, every = self.runner.execute_with_chunk_logits(out, every_row_of)
+        else:
+            logits, every = self.runner.execute(out), {}
         seqs = self._sampled_seqs(out)
         sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
                          [row_context(s) for s in seqs])
