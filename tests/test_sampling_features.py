@@ -23,7 +23,7 @@ def run(engine: LLMEngine, prompt, params: SamplingParams, rid: str = "r"):
     engine.add_request(rid, prompt, params)
     outs = []
     while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.request_id == rid]
+        outs += [o for o in engine.step().outputs if o.request_id == rid]
     engine.check_integrity()
     tokens = [t for o in outs for t in o.token_ids]
     logprobs = [lp for o in outs for lp in (o.logprobs or ())]
