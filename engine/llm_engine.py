@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import torch
@@ -22,10 +23,10 @@ from engine.pressure import PressureSnapshot
 from engine.request_extras import (ChunkResult, chunks_needing_every_row, commit_extras, compute_prompt_logprobs,
                                    compute_sampled_logprobs, row_context)
 from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import Sequence, SequenceStatus, StopChecker
 from engine.step_isolation import forward_isolating
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import GrammarCompiler, GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,14 @@ class LLMEngine:
         self.kv_resizer, self.morph_executor = parts.kv_resizer, parts.morph_executor
         self._requests: dict[str, Sequence] = {}
         self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self._seed_source = torch.Generator().manual_seed(config.seed)
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    grammar: GrammarState | None = None) -> None:
+        """`grammar`: params.structured_output already compiled (`compile_grammar`, off the step loop);
+        compiled here when None."""
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
@@ -63,15 +68,24 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        grammar = self._grammar_compiler().compile(params.structured_output) if params.structured_output else None
+        if grammar is None and params.structured_output is not None:
+            grammar = self.compile_grammar(params.structured_output)
         seq = Sequence(request_id, token_ids, params, time.monotonic(), generator,
                        stop_checker=StopChecker(self.tokenizer, params, self.eos_token_ids, tuple(token_ids)))
         seq.grammar = grammar
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
+    def compile_grammar(self, spec: StructuredOutput) -> GrammarState:
+        """A request's grammar state; thread-safe, so the async engine compiles off the step loop."""
+        return self._grammar_compiler().compile(spec)
+
     def _grammar_compiler(self) -> GrammarCompiler:
         """Built on first use: xgrammar's vocabulary view takes seconds and most engines never need it."""
+        with self._grammar_lock:
+            return self._build_grammar_compiler()
+
+    def _build_grammar_compiler(self) -> GrammarCompiler:
         if self._grammar is None:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
