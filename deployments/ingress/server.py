@@ -141,6 +141,10 @@ class IngressServer:
     def _check_body(self, body: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None,
                     info: ModelInfo) -> None:
         body.check_supported()
+        choices = body.n * (len(body.prompts()) if isinstance(body, p.CompletionRequest) else 1)
+        if choices > self.settings.max_choices:
+            raise HTTPError(400, f"n x prompts = {choices} engine requests; this server allows at most "
+                            f"{self.settings.max_choices} per request", param="n")
         check_sampling(body, max_tokens, info)
         ignored = body.ignored_fields()
         if ignored:  # vLLM's behaviour: accepted, logged, not used

@@ -11,6 +11,7 @@ dropped: a client that asks for tool calls or beam search must learn that it did
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -64,7 +65,6 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
     def structured_output(self) -> StructuredOutput | None:
-        import json
         if self.type == "text":
             return None
         if self.type == "json_object":
@@ -85,9 +85,6 @@ def _unicode_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode_text)]
-
-
-MAX_N = 16  # choices per prompt (each is one engine request)
 
 
 class StreamOptions(BaseModel):
@@ -132,8 +129,8 @@ class _SamplingRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise UnsupportedFeature for a known field we cannot honour."""
-        if self.n < 1 or self.n > MAX_N:
-            raise UnsupportedFeature(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        if self.n < 1:
+            raise UnsupportedFeature(f"n must be >= 1, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeature("stream_options is only allowed when stream is true", "stream_options")
         if self.tool_choice not in (None, "none"):
