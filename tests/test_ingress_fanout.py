@@ -80,3 +80,18 @@ def test_tokenize_detokenize_version_and_model_by_id(client):
     assert card["id"] == MODEL and card["object"] == "model"
     missing = client.get("/v1/models/other")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_completions_tokenize_with_special_tokens_as_vllm_chat_does_not():
+    class Recording(FakeEngine):
+        calls: list = []
+
+        async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            self.calls.append(add_special_tokens)
+            return await super().tokenize(text, add_special_tokens)
+
+    engine = Recording(model_name=MODEL, max_model_len=64)
+    with TestClient(build_ingress_app(engine, IngressSettings())) as c:
+        assert c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1}).status_code == 200
+        assert c.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}).status_code == 200
+    assert engine.calls == [True, False]  # BOS as the tokenizer adds it on /v1/completions (vLLM's default)
