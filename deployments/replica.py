@@ -114,9 +114,16 @@ class LLMServer:
 
     # Tokenizing a long prompt takes a while: on a worker thread, so the replica's event loop keeps
     # streaming other requests and answering health checks meanwhile.
-    async def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         tokenizer = self._tokenizer()
-        return await asyncio.to_thread(lambda: list(tokenizer.encode(text)))
+        return await asyncio.to_thread(lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        tokenizer = self._tokenizer()
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return await asyncio.to_thread(lambda: tokenizer.decode(token_ids, skip_special_tokens=False))
 
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         tokenizer = self._tokenizer()

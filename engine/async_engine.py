@@ -125,8 +125,12 @@ class AsyncLLMEngine:
         def sink(item: Any) -> None:  # called on the stepping thread
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        grammar = None
+        if params is not None and params.structured_output is not None:  # compiling may take seconds:
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params.structured_output)  # not in a step
+
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, grammar)
             self._sinks[request_id] = sink
 
         await self.run_at_step_boundary(add)
