@@ -40,6 +40,18 @@ class CalibrationRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProbePlan:
+    concurrency: int  # requests in flight: more than the baseline's KV holds, so it saturates
+    num_requests: int
+    deadline_s: float = 600.0
+
+    def __post_init__(self):
+        if not 1 <= self.concurrency < self.num_requests:
+            raise BenchmarkInputError(f"probe concurrency {self.concurrency}, {self.num_requests} requests: need "
+                                      f"1 <= concurrency < requests")
+
+
+@dataclasses.dataclass(frozen=True)
 class Capacity:
     requests_per_s: float
     output_tokens_per_s: float

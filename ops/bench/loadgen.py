@@ -68,6 +68,7 @@ class ServerSample:
     """One poll of the server's status endpoint: numeric values by name (e.g. "kv_usage")."""
     t_s: float
     values: Mapping[str, float]
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # e.g. "config": layer precisions
 
 
 @dataclasses.dataclass(frozen=True)

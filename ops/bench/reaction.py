@@ -1,8 +1,9 @@
 """Reaction time: how long a burst's first request that did not fit in the KV cache waited until
 the cache admitted it.
 
-For every request (client records): arrival a = its send time; need = ceil(prompt tokens / block
-size) blocks (the server's usage.prompt_tokens when it reports them, the chat template included);
+For every request (client records): arrival a = its send time; need = ceil((prompt tokens +
+reservation) / block size) blocks (the server's usage.prompt_tokens when it reports them, the chat
+template included; the reservation for output the engine admits with, when its status reports one);
 admitted = a + the server's queue time when it reports one, else its first token (an upper bound that
 also holds the prefill).
 
@@ -110,7 +111,8 @@ class _Capacity:
 
 
 def reaction_times(records: Sequence[RequestRecord], samples: Sequence[ServerSample], block_size: int,
-                   fixed_capacity_blocks: int | None = None, stall_threshold_s: float = 0.0) -> ReactionSummary:
+                   fixed_capacity_blocks: int | None = None, stall_threshold_s: float = 0.0,
+                   reservation_tokens: int = 0) -> ReactionSummary:
     used, capacity = _KVUse(records, block_size), _Capacity(samples, fixed_capacity_blocks)
     waiting = sorted((r for r in records if r.sent_s is not None), key=lambda r: r.sent_s)
     episodes: list[Episode] = []
@@ -127,7 +129,7 @@ def reaction_times(records: Sequence[RequestRecord], samples: Sequence[ServerSam
             episodes.append(_close(current))
             current = None
         cap = capacity.at(r.sent_s)
-        needed = used.at(r.sent_s) + _blocks(_prompt(r), block_size)
+        needed = used.at(r.sent_s) + _blocks(_prompt(r) + reservation_tokens, block_size)
         if cap is None or waited <= stall_threshold_s or needed <= cap:
             continue
         grown = capacity.first_reaching(needed, r.sent_s)
