@@ -18,7 +18,8 @@ from ops.bench.served_quality import parse_label
 from ops.bench.metrics import spread
 from ops.bench.run_all import bench_config, parse_args
 from ops.bench.server_process import ServerProcess, ServerStartError, free_port, session_pids
-from ops.bench.systems import (ALL_SYSTEMS, MIB, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4, VLLM, ModelFacts,
+from ops.bench.systems import (ALL_SYSTEMS, FLEET_BASELINE, FLEET_PRESSURE, MIB, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4,
+                               VLLM, ModelFacts, fleet_note, fleet_switches_available, fleet_systems,
                                interleaved_schedule, morphserve_app_args, morphserve_command, morphserve_labels,
                                morphserve_status,
                                plan_budget, serve_config, system_specs, vllm_command, vllm_env, vllm_kv_tokens,
@@ -110,6 +111,29 @@ def test_morphserve_args_are_valid_app_args(facts):
     for spec in system_specs(ALL_SYSTEMS[:-1], facts.num_layers):
         parsed = parse_app_args(morphserve_app_args(spec, plan, facts.hf_dir, "t"))
         assert parsed.engine_config().memory_budget_bytes == plan.budget_bytes
+
+
+def test_fleet_systems_are_two_replica_app_args(facts):
+    from deployments.app_args import parse_app_args
+
+    plan = plan_budget(facts, max_model_len=64, kv_sequences=2)
+    names = fleet_systems()
+    for spec in system_specs(names, facts.num_layers):
+        args = morphserve_app_args(spec, plan, facts.hf_dir, "t")
+        assert args["num_replicas"] == 2 and parse_app_args(args).num_replicas == 2
+    base = morphserve_app_args(system_specs([FLEET_BASELINE], 4)[0], plan, "/m", "t")
+    if fleet_switches_available():  # the build has the fleet's switches: both sides run
+        assert names == (FLEET_BASELINE, FLEET_PRESSURE)
+        assert (base["fleet_controller"], base["pressure_router"]) == (False, False)
+        pressure = morphserve_app_args(system_specs([FLEET_PRESSURE], 4)[0], plan, "/m", "t")
+        assert (pressure["fleet_controller"], pressure["pressure_router"]) == (True, True)
+        assert "fleet_controller" in fleet_note(names)
+    else:  # only the baseline runs, and the report says why
+        assert names == (FLEET_BASELINE,) and "fleet_controller" not in base
+        assert "not measured" in fleet_note(names)
+        with pytest.raises(BenchmarkInputError, match="lacks"):
+            system_specs([FLEET_PRESSURE], 4)
+    assert fleet_note([STATIC_FP]) is None
 
 
 def test_vllm_gets_the_same_kv_bytes(facts):

@@ -51,6 +51,7 @@ def measure(cfg, specs: dict[str, SystemSpec], requests: Sequence[LoadRequest], 
         + (f"; then the cross-check with vllm bench serve ({plan.num_requests} requests, {plan.concurrency} in flight)"
            if plan else ""))
     capacity, check = measure_capacity(baseline, requests, cfg.probe, ctx, plan if baseline.kind == "morphserve" else None)
+    log(f"  capacity: {capacity.describe()}")
     checks = [check] if check else []
     if plan and VLLM in specs:
         try:
