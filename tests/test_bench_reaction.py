@@ -6,7 +6,7 @@ import pytest
 from ops.bench import BenchmarkInputError
 from ops.bench.calibration import Capacity, CalibrationRule, calibrate, capacity_from_records
 from ops.bench.loadgen import RequestRecord, ServerSample
-from ops.bench.reaction import reaction_times
+from ops.bench.reaction import engine_blocked_waits, reaction_times
 
 
 def _rec(rid, sent, queue, tokens, end, prompt=64, first=None):
@@ -103,3 +103,9 @@ def test_capacity_counts_completions_while_the_pool_is_full():
     assert cap.requests_per_s == pytest.approx(5 / 5.0) and cap.output_tokens_per_s == pytest.approx(10 / 5.0)
     with pytest.raises(BenchmarkInputError, match="never full"):
         capacity_from_records(records[:2], concurrency=2, system="fp")
+
+
+def test_engine_blocked_waits_one_value_per_change():
+    values = [None, 0.2, 0.2, None, 0.2, 0.05, 0.05]
+    samples = [ServerSample(float(i), {} if v is None else {"last_blocked_for_s": v}) for i, v in enumerate(values)]
+    assert engine_blocked_waits(samples) == (0.2, 0.05)

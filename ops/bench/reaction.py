@@ -58,6 +58,19 @@ class ReactionSummary:
         return max((e.reaction_s for e in self.episodes), default=None)
 
 
+def engine_blocked_waits(samples: Sequence[ServerSample]) -> tuple[float, ...]:
+    """The engine's own account, where its status reports it (admission.last_blocked_for_s): how long
+    each head of the queue that did not fit waited, one value per change seen in the samples."""
+    out: list[float] = []
+    last = None
+    for s in sorted(samples, key=lambda s: s.t_s):
+        value = s.values.get("last_blocked_for_s")
+        if value is not None and value != last:
+            out.append(value)
+        last = value if value is not None else last
+    return tuple(out)
+
+
 def admitted_at(r: RequestRecord) -> float | None:
     if not r.ok:
         return None

@@ -39,6 +39,7 @@ class SystemRun:
     tf_agreement: float | None = None  # teacher-forced top-1 agreement with full precision (served_quality.py)
     weighted_ppl: float | None = None  # WikiText-2 perplexity of its configurations, token-weighted
     quantized_layer_s: float | None = None  # integral of quantized layers over the run (sampled)
+    engine_blocked_s: tuple[float, ...] = ()  # reaction.engine_blocked_waits: the engine's own head waits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,7 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row["stall_episodes"] = spread(len(r.reaction.episodes) if r.reaction else None for r in runs)
         row["reaction_median_s"] = spread(r.reaction.median_s if r.reaction else None for r in runs)
         row["reaction_max_s"] = spread(r.reaction.max_s if r.reaction else None for r in runs)
+        row["engine_blocked_median_s"] = spread(_median_or_none(r.engine_blocked_s) for r in runs)
         table[system] = row
     fp_ref = _median(table.get(s.full_precision_system, {}), "rouge_l_vs_reference")
     for row in table.values():
@@ -126,6 +128,12 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
             reduction = quality_loss_reduction(_median(row, f"loss_vs_{kind}"), _median(int4, f"loss_vs_{kind}"))
             row[f"loss_reduction_vs_int4_{kind}"] = spread([reduction])
     return table
+
+
+def _median_or_none(values: Sequence[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
 
 
 def _median(row: Mapping[str, Spread], key: str) -> float | None:
@@ -165,6 +173,7 @@ _TABLES = (
                                   ("client send lag P99 (s)", "send_lag_p99_s"))),
     ("Reaction to bursts (from the first arrival that did not fit in KV to the capacity that admits it)",
      (("episodes", "stall_episodes"), ("reaction median (s)", "reaction_median_s"), ("reaction max (s)", "reaction_max_s"),
+      ("engine-reported head wait median (s)", "engine_blocked_median_s"),
       ("quantized layer-seconds", "quantized_layer_s"))),
     ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
                                     ("quality loss reduction vs static INT4 (teacher-forced)", "loss_reduction_vs_int4_full_tf"),

@@ -31,7 +31,7 @@ from ops.bench.calibration import calibrate
 from ops.bench.loadgen import load_requests, reference_answers
 from ops.bench.probe import measure
 from ops.bench.prompts import build_prompts
-from ops.bench.reaction import reaction_times
+from ops.bench.reaction import engine_blocked_waits, reaction_times
 from ops.bench.report import BenchResults, BenchSettings, SystemRun, build_report, score_quality, summarize
 from ops.bench.run_one import REPO, RunContext, run_system
 from ops.bench.server_process import ServerStartError
@@ -149,7 +149,8 @@ def _with_reaction(run: SystemRun, spec, plan, cfg: BenchConfig) -> SystemRun:
     reservation = max((int(s.values["reservation_tokens"]) for s in run.timeline if "reservation_tokens" in s.values),
                       default=0)
     reaction = reaction_times(run.records, run.timeline, block, fixed, cfg.stall_threshold_s, reservation)
-    return dataclasses.replace(run, reaction=reaction, quantized_layer_s=integral(run.timeline, "quantized_layers"))
+    return dataclasses.replace(run, reaction=reaction, quantized_layer_s=integral(run.timeline, "quantized_layers"),
+                               engine_blocked_s=engine_blocked_waits(run.timeline))
 
 
 def _with_quality(runs: list[SystemRun], prompts, requests, model: str, plan, cfg: BenchConfig) -> list[SystemRun]:

@@ -286,7 +286,9 @@ def vllm_env(threads: int) -> dict[str, str]:
 # Values the report's timeline plots look for, from each server's status body.
 _MORPHSERVE_KEYS = {"kv_usage": "pressure.kv_usage", "kv_capacity_blocks": "morph_state.kv_capacity_blocks",
                     "kv_used_blocks": "pressure.kv_used_blocks", "num_waiting": "pressure.num_waiting",
-                    "reservation_tokens": "pressure.reservation_tokens",
+                    "reservation_tokens": "pressure.reservation_tokens",  # with admission-time morphing
+                    "admission_swaps_total": "pressure.admission_swaps_total",
+                    "last_blocked_for_s": "admission.last_blocked_for_s",  # the engine's own head-of-queue wait
                     "quantized_layers": "morph_state.num_quantized", "preemptions_total": "pressure.preemptions_total"}
 VLLM_METRICS = {"kv_usage": "vllm:kv_cache_usage_perc", "preemptions_total": "vllm:num_preemptions_total",
                 "num_waiting": "vllm:num_requests_waiting"}
