@@ -168,6 +168,8 @@ def test_quick_and_full_configs():
     full = bench_config(parse_args(["--repeats", "4", "--window-s", "10", "--systems", VLLM, STATIC_FP]))
     assert full.repeats == 4 and full.window_s == 10 and full.systems == (VLLM, STATIC_FP)
     assert full.min_requests >= 120 and full.num_windows >= 3
+    assert full.fitting_repeats(replay_s=100.0, elapsed_s=0.0) == 4  # 2 systems x 160 s per repeat
+    assert BenchConfig(time_budget_s=1000.0).fitting_repeats(replay_s=200.0, elapsed_s=0.0) == 1  # never below 1
     spec = workload_spec(full, time_scale=3.0)
     assert spec.window_s == 10 and spec.time_scale == 3.0 and spec.multi_window
     with pytest.raises(BenchmarkInputError):

@@ -43,6 +43,8 @@ class BenchConfig:
     drain_s: float = 90.0  # after the last arrival, then unfinished requests count as failed
     stall_threshold_s: float = 0.0  # a request that did not fit counts once it waited longer than this
     seed: int = 0
+    time_budget_s: float = 3300.0  # make bench under an hour: fewer repeats when a slow machine needs it
+    run_overhead_s: float = 60.0  # server start, warm-up and stop per run (estimate for the budget)
     quality: bool = True  # teacher-forced agreement and token-weighted perplexity after the load phase
     ppl_tokens: int = 2048
     ppl_window: int = 512
@@ -54,6 +56,11 @@ class BenchConfig:
             raise BenchmarkInputError("slo_ttft_s and drain_s must be positive")
         if self.capacity_rps is not None and not self.capacity_rps > 0:
             raise BenchmarkInputError(f"capacity_rps={self.capacity_rps}: give a positive rate or leave it unset")
+
+    def fitting_repeats(self, replay_s: float, elapsed_s: float) -> int:
+        """Repeats (at most `repeats`, at least 1) whose runs fit what is left of the time budget."""
+        per_round = len(self.systems) * (replay_s + self.run_overhead_s)
+        return max(1, min(self.repeats, int((self.time_budget_s - elapsed_s) // per_round)))
 
     @classmethod
     def quick(cls) -> "BenchConfig":

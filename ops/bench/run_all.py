@@ -104,11 +104,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibration = calibrate(capacity, unscaled.trace_mean_rps, unscaled.trace_peak_rps, cfg.calibration)
     workload = build_workload(trace, workload_spec(cfg, calibration.time_scale))
     requests = load_requests(workload.requests, prompts)  # same windows, same order: the same prompts
+    budget_note = None
+    if args.repeats is None and not args.quick:
+        fitting = cfg.fitting_repeats(workload.duration_s, time.monotonic() - started)
+        if fitting < cfg.repeats:
+            budget_note = (f"repeats reduced from {cfg.repeats} to {fitting}: {len(cfg.systems)} runs of "
+                           f"{workload.duration_s:.0f} s replay + {cfg.run_overhead_s:g} s per repeat would pass the "
+                           f"{cfg.time_budget_s / 60:.0f}-minute budget at this machine's calibrated load")
+            cfg = dataclasses.replace(cfg, repeats=fitting)
     schedule = interleaved_schedule(cfg.systems, cfg.repeats)
     _log(f"calibration: {calibration.describe()}\nworkload: {workload.describe()}\n{len(schedule)} runs of about "
          f"{workload.duration_s + 45:.0f} s each (replay + server start)")
     info = _ReportInfo(cfg, plan, workload.describe(), command, prompts, files.name, calibration.describe(),
-                       tuple(checks), fleet_note(cfg.systems))
+                       tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems), budget_note))) or None)
     runs: list[SystemRun] = []
     failures: list[str] = []
     for i, (repeat, name) in enumerate(schedule):
