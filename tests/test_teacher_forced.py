@@ -8,7 +8,7 @@ import torch
 
 from engine.loader import load_config, load_weights
 from engine.model import build_model
-from engine.morph.profiler import DenseRunner
+from engine.morph.calibration import DenseRunner
 from ops.quality.teacher_forced import (ForcedSequence, agreement, pooled, predictions, token_weighted_perplexity,
                                         tokens_by_config)
 

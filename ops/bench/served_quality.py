@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ops.bench.loadgen import ServerSample
-from ops.quality.teacher_forced import (Agreement, ForcedSequence, agreement, pooled, predictions,
+from ops.quality.teacher_forced import (ForcedSequence, agreement, pooled, predictions,
                                         token_weighted_perplexity, tokens_by_config)
 
 logger = logging.getLogger(__name__)
@@ -70,13 +70,14 @@ def run_configs(run: RunServed) -> tuple[list[float], list[str]]:
 
 def evaluate_runs(runs: Sequence[RunServed], model_spec: str, budget_bytes: int, engine_knobs: Mapping,
                   threads: int, ppl_tokens: int, ppl_window: int, max_batch_tokens: int = 4096) -> dict[str, ServedQuality]:
+    from engine import datasets
     from engine.config import EngineConfig
-    from engine.morph.profiler import DEFAULT_TEXT, DenseRunner, load_model, text_half
-    from engine.tokenizer import Tokenizer
+    from engine.loader import load_model
+    from engine.morph.calibration import DenseRunner
 
     torch.set_num_threads(threads)
-    name, hf_dir, model = load_model(model_spec, torch.bfloat16)
-    tokenizer = Tokenizer.from_dir(hf_dir)
+    loaded = load_model(model_spec, torch.bfloat16)
+    name, hf_dir, model, tokenizer = loaded.files.name, loaded.files.hf_dir, loaded.model, loaded.tokenizer
 
     def hidden(tokens: torch.Tensor) -> torch.Tensor:
         runner = DenseRunner(model, *tokens.shape)
@@ -92,7 +93,8 @@ def evaluate_runs(runs: Sequence[RunServed], model_spec: str, budget_bytes: int,
     needed = sorted({c for per_run in counts.values() for c in per_run})
     config = EngineConfig(model=model_spec, memory_budget=budget_bytes, **dict(engine_knobs))
     ppl = config_perplexities(model, needed, config, name, hf_dir, tokenizer,
-                              tokenizer.encode(text_half(DEFAULT_TEXT, "second"))[:ppl_tokens], ppl_window)
+                              tokenizer.encode(datasets.text_half(datasets.resolve("wikitext2"), "second"))[:ppl_tokens],
+                              ppl_window)
     out = {}
     for run in runs:
         total = pooled([agreement(s, by_ids[(s.prompt_ids, s.served_ids)]) for s in by_run[run.key]])
@@ -118,8 +120,8 @@ def _sequences(runs: Sequence[RunServed], tokenizer, max_len: int):
 def config_perplexities(model, labels: Sequence[str], config, name: str, hf_dir: Path, tokenizer,
                         eval_ids: Sequence[int], window: int) -> dict[str, float]:
     """WikiText-2 perplexity of each configuration label, with the host store's variants."""
-    from engine.morph.prepare import ensure_host_store, store_spec_for
     from engine.morph.profiler import LayerSwitch
+    from engine.morph.store_builder import ensure_host_store, store_spec_for
     from engine.precision import Precision
     from ops.quality.perplexity import perplexity
 
@@ -142,7 +144,3 @@ def config_perplexities(model, labels: Sequence[str], config, name: str, hf_dir:
                 switches[p].restore(i)
         logger.info("perplexity %.3f for %s", out[label], label)
     return out
-
-
-def agreement_of(seqs: Sequence[ForcedSequence], predicted: Mapping[str, Sequence[int]]) -> Agreement:
-    return pooled([agreement(s, predicted[s.key]) for s in seqs])
