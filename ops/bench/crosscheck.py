@@ -3,7 +3,8 @@ peer venv) on one running server: the same prompts (streaming chat, temperature 
 same output lengths, the same closed-loop concurrency. Both report TTFT and TPOT the same way (TPOT =
 (latency - TTFT) / (output tokens - 1) per request); their medians should agree within `tolerance`.
 
-Our client runs first, then vLLM's, against the same warm server.
+Our client runs before and after vLLM's against the same warm server, and its medians are the mean
+of the two runs', so a machine that speeds up or slows down over the check favours neither client.
 """
 from __future__ import annotations
 
@@ -92,10 +93,28 @@ def parse_vllm_result(path: Path) -> tuple[float, float]:
 def run_crosscheck(base_url: str, system: str, requests: Sequence[LoadRequest], plan: CrossCheckPlan, ctx) -> CrossCheck:
     chosen = crosscheck_requests(requests, plan.num_requests)
     config = LoadGenConfig(base_url=base_url, model=ctx.served_name, api="chat", deadline_s=plan.timeout_s)
-    ours = [r for r in closed_loop(chosen, config, plan.concurrency).records if r.ok]
-    ttft = statistics.median(request_ttft(r) for r in ours) * 1e3 if ours else None
-    tpots = [(r.end_s - r.first_token_s) / (r.output_tokens - 1) for r in ours if r.output_tokens >= 2]
-    tpot = statistics.median(tpots) * 1e3 if tpots else None
+    before = _our_medians(closed_loop(chosen, config, plan.concurrency).records)
+    vllm = _vllm_medians(base_url, system, chosen, plan, ctx)
+    after = _our_medians(closed_loop(chosen, config, plan.concurrency).records)
+    ttft, tpot = (_mean(before[i], after[i]) for i in (0, 1))
+    if isinstance(vllm, str):
+        return CrossCheck(system, ttft, tpot, None, None, plan.tolerance, error=vllm)
+    return CrossCheck(system, ttft, tpot, vllm[0], vllm[1], plan.tolerance)
+
+
+def _our_medians(records) -> tuple[float | None, float | None]:
+    ok = [r for r in records if r.ok]
+    tpots = [(r.end_s - r.first_token_s) / (r.output_tokens - 1) for r in ok if r.output_tokens >= 2]
+    return (statistics.median(request_ttft(r) for r in ok) * 1e3 if ok else None,
+            statistics.median(tpots) * 1e3 if tpots else None)
+
+
+def _mean(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else (a + b) / 2
+
+
+def _vllm_medians(base_url: str, system: str, chosen, plan: CrossCheckPlan, ctx) -> tuple[float, float] | str:
+    """(TTFT, TPOT) medians in ms from `vllm bench serve`, or why it gave none."""
     folder = ctx.out_dir / "crosscheck"
     dataset, name = folder / f"{system}.jsonl", f"{system}.vllm-bench.json"
     write_dataset(chosen, dataset)
@@ -109,10 +128,9 @@ def run_crosscheck(base_url: str, system: str, requests: Sequence[LoadRequest], 
                                   env=_vllm_client_env(ctx.threads), stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise RuntimeError(f"exit code {proc.returncode}; see {log}")
-        v_ttft, v_tpot = parse_vllm_result(folder / name)
+        return parse_vllm_result(folder / name)
     except (OSError, RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
-        return CrossCheck(system, ttft, tpot, None, None, plan.tolerance, error=f"{type(e).__name__}: {e}")
-    return CrossCheck(system, ttft, tpot, v_ttft, v_tpot, plan.tolerance)
+        return f"{type(e).__name__}: {e}"
 
 
 def _vllm_client_env(threads: int) -> dict[str, str]:
@@ -129,7 +147,7 @@ def describe(checks: Sequence[CrossCheck]) -> list[str]:
                          f"vllm bench serve failed ({c.error})")
             continue
         dt, dp = c.deviation(c.ours_ttft_ms, c.vllm_ttft_ms), c.deviation(c.ours_tpot_ms, c.vllm_tpot_ms)
-        lines.append(f"{c.system}: TTFT P50 ours {_ms(c.ours_ttft_ms)} vs vllm bench serve {_ms(c.vllm_ttft_ms)} "
+        lines.append(f"{c.system}: TTFT P50 ours (mean of before and after) {_ms(c.ours_ttft_ms)} vs vllm bench serve {_ms(c.vllm_ttft_ms)} "
                      f"({dt:+.1%}); TPOT P50 ours {_ms(c.ours_tpot_ms)} vs {_ms(c.vllm_tpot_ms)} ({dp:+.1%}) -> "
                      f"{'within' if c.within else 'NOT within'} {c.tolerance:.0%}")
     return lines
