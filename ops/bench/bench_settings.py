@@ -40,6 +40,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 512
     threads: int = 2
     start_deadline_s: float = 600.0  # a first start may build the host store
+    start_attempts: int = 2  # a server that fails to start (Ray's node timeout on a busy machine) gets one more try
     drain_s: float = 90.0  # after the last arrival, then unfinished requests count as failed
     stall_threshold_s: float = 0.0  # a request that did not fit counts once it waited longer than this
     seed: int = 0

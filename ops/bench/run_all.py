@@ -121,11 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     for i, (repeat, name) in enumerate(schedule):
         _log(f"[{i + 1}/{len(schedule)}] {name} repeat {repeat} ({time.monotonic() - started:.0f} s elapsed)")
-        try:
-            runs.append(_with_reaction(run_system(specs[name], repeat, requests, ctx), specs[name], plan, cfg))
-        except ServerStartError as e:  # recorded and reported; the other systems still run
-            failures.append(f"{name} repeat {repeat}: {e}")
-            _log(f"  FAILED: {e}")
+        for attempt in range(1, cfg.start_attempts + 1):
+            try:
+                runs.append(_with_reaction(run_system(specs[name], repeat, requests, ctx), specs[name], plan, cfg))
+                break
+            except ServerStartError as e:  # a start that failed (an overloaded machine) is tried again
+                _log(f"  FAILED (attempt {attempt} of {cfg.start_attempts}): {e}")
+                if attempt == cfg.start_attempts:  # recorded and reported; the other systems still run
+                    failures.append(f"{name} repeat {repeat}: {e}")
         if (i + 1) % len(cfg.systems) == 0 or i + 1 == len(schedule):
             _write(out, runs, failures, info)
     if cfg.quality and runs:
