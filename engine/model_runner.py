@@ -12,13 +12,17 @@ storage every step because a KV resize may move them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
+from engine.capability import detect_capability
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
 from engine.model import Transformer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,8 @@ class ModelRunner:
     def __init__(self, model: Transformer, storage, device: torch.device | str):
         self.model, self.storage, self.device = model, storage, torch.device(device)
         self.num_layers = model.config.num_layers
+        self.capability = detect_capability(self.device)
+        logger.info("device %s; model dtype %s", self.capability.describe(), str(model.dtype).removeprefix("torch."))
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """fp32 logits [number of chunks with needs_logits, vocab], in chunk order."""

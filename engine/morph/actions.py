@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Union
 
+from engine.capability import DeviceCapability
 from engine.precision import Precision
 
 
@@ -57,6 +58,7 @@ class MorphState:
     kv_max_blocks: int
     pending: tuple[MorphAction, ...] = ()  # accepted actions not finished (e.g. waiting restores)
     morphing_enabled: bool = True
+    capability: DeviceCapability | None = None  # what the device computes natively (and so the dtype chosen)
 
     @property
     def num_quantized(self) -> int:

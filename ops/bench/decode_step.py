@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--out", type=Path, default=Path("decode_step.json"))
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 15, 30])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])

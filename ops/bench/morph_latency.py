@@ -98,7 +98,7 @@ def rss_after_full_morph(engine: LLMEngine, precision: Precision) -> dict:
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--memory-budget", default="1GiB")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", default="all", help="'all' or comma-separated layer ids")
