@@ -19,6 +19,7 @@ from engine.layers.packed import PackedGroup, pack_group, packed_group_of
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.quant.fused import FusedQuantized, fuse_quantized
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -60,8 +61,8 @@ def _single_dense(lin: Linear) -> FusedWeight | None:
     return (lin.weight, lin.bias) if type(lin) is DenseLinear else None
 
 
-def _run(fused: FusedWeight | PackedGroup, x: torch.Tensor) -> torch.Tensor:
-    return fused(x) if isinstance(fused, PackedGroup) else F.linear(x, *fused)
+def _run(fused: FusedWeight | PackedGroup | FusedQuantized, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, *fused) if isinstance(fused, tuple) else fused(x)
 
 
 class DecoderLayer(nn.Module):
@@ -95,13 +96,15 @@ class DecoderLayer(nn.Module):
         self._o = self._group(("o_proj",)) if self.pack else None
         self._down = self._group(("down_proj",)) if self.pack else None
 
-    def _group(self, names: tuple[str, ...]) -> FusedWeight | PackedGroup | None:
+    def _group(self, names: tuple[str, ...]) -> FusedWeight | PackedGroup | FusedQuantized | None:
         linears = [getattr(self, n) for n in names]
         packed = packed_group_of(linears)
         if packed is not None:  # a restore of this layer's own saved members: already packed
             return packed
         fused = fuse_dense(linears) if len(linears) > 1 else _single_dense(linears[0])
-        if fused is None or not self.pack:
+        if fused is None:  # quantized: q/k/v and gate/up as one kernel call each where the format allows
+            return fuse_quantized(linears)
+        if not self.pack:
             return fused
         group, members = pack_group(*fused, [lin.out_features for lin in linears])
         for name, member in zip(names, members):

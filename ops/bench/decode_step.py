@@ -1,4 +1,4 @@
-"""Decode step time with 0, 15 and 30 layers in INT4 (bf16 model), batch 1 and 16, side by side.
+"""Decode step time with 0, 15 and 30 layers in INT4 (full-precision model, dtype=auto by default), batch 1 and 16, side by side.
 
 One decode step = every sequence of the batch decodes one token at position `--context` through the
 real ModelRunner and paged KV storage (the KV holds zeros: attention costs the same whatever it
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,7 +28,8 @@ from engine.model_runner import ModelRunner
 from engine.loader import load_model
 from engine.morph.profiler import LayerSwitch
 from engine.quant.awq import LayerWeights
-from engine.precision import Precision, parse_dtype
+from engine.capability import detect_capability
+from engine.precision import Precision, resolve_dtype
 from engine.quant.awq import quantize_layer_rtn
 
 BLOCK_SIZE = 16
@@ -98,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, parse_dtype(args.dtype), args.device)
+    loaded = load_model(args.model, resolve_dtype(args.dtype, args.device), args.device)
     name, model = loaded.files.name, loaded.model
     num_layers = model.config.num_layers
     if max(args.layers) > num_layers:
@@ -107,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     int4 = {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4) for i in order.order[:max(args.layers)]}
     results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
                     args.rounds, args.steps)
-    report = {"model": name, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
+    report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
+              "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
               "context": args.context, "rounds": args.rounds, "steps_per_round": args.steps,
               "swap_order": order.source, "int4": "rtn, group 128 (64 where needed)",
               "median_seconds_per_step": results}
