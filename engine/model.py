@@ -25,6 +25,7 @@ ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 LINEAR_NAMES = ATTENTION_LINEARS + MLP_LINEARS
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # each runs as one matmul when it can
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [max_blocks, block_size, Hkv, D]
 
@@ -91,8 +92,7 @@ class DecoderLayer(nn.Module):
         plain copy is dropped, so packing happens here, when a layer is loaded or restored."""
         # Plain (weight, bias) tuples or PackedGroups, not modules or buffers: their storage is the
         # linears' own, counted once.
-        self._qkv = self._group(("q_proj", "k_proj", "v_proj"))
-        self._gate_up = self._group(("gate_proj", "up_proj"))
+        self._qkv, self._gate_up = (self._group(names) for names in FUSED_GROUPS)
         self._o = self._group(("o_proj",)) if self.pack else None
         self._down = self._group(("down_proj",)) if self.pack else None
 
