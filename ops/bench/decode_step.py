@@ -52,19 +52,24 @@ def make_runner(model: Transformer, batch: int, context: int) -> ModelRunner:
     return ModelRunner(model, storage, device)
 
 
-def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds (a loaded
+# machine inflates wall time with waiting; CPU time of a 1-thread run tracks the work; CPU devices only)
+
+
+def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int, clock=time.perf_counter) -> float:
     """Mean seconds per decode step over `steps` consecutive steps."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     sync()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         runner.execute(step)
     sync()  # CUDA launches are asynchronous: time the work, not the launches
-    return (time.perf_counter() - start) / steps
+    return (clock() - start) / steps
 
 
 def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts: Sequence[int],
-          batches: Sequence[int], context: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+          batches: Sequence[int], context: int, rounds: int, steps: int,
+          clock=time.perf_counter) -> dict[str, dict[str, float]]:
     """{"batch=<b>": {"int4=<n>": median seconds per step}} over interleaved rounds (one warm-up round)."""
     runners = {b: (make_runner(model, b, context), decode_batch(b, context, model.config.vocab_size)) for b in batches}
     samples: dict[tuple[int, int], list[float]] = {(b, n): [] for b in batches for n in counts}
@@ -74,7 +79,7 @@ def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts:
                 switch.quantize(i)
             try:
                 for b, (runner, step) in runners.items():
-                    t = time_steps(runner, step, steps)
+                    t = time_steps(runner, step, steps, clock)
                     if r > 0:  # round 0 warms caches and the kernels' packing paths
                         samples[(b, n)].append(t)
             finally:
@@ -97,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="consecutive steps timed per round")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall, or cpu (process CPU time: steadier on a loaded machine, with --threads 1)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -108,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     order = resolve_swap_order(num_layers, name)
     int4 = {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4) for i in order.order[:max(args.layers)]}
     results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
-                    args.rounds, args.steps)
+                    args.rounds, args.steps, CLOCKS[args.clock])
     report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
               "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
-              "context": args.context, "rounds": args.rounds, "steps_per_round": args.steps,
+              "context": args.context, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
               "swap_order": order.source, "int4": "rtn, group 128 (64 where needed)",
               "median_seconds_per_step": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
