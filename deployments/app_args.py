@@ -30,7 +30,7 @@ class AppArgs(BaseModel):
     model: str = Field("default", description="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
     served_model_name: str | None = Field(None, description="name in /v1/models; default: the model folder's name")
     memory_budget: int | str = Field("1GiB", description="bytes one engine replica may hold: weights + KV + reserve")
-    dtype: str = Field("bf16", description="full precision: bf16, fp16 or fp32")
+    dtype: str = Field("auto", description="full precision: auto (native bf16 where the device has it), bf16, fp16 or fp32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the replica sees a GPU")
     engine: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig knobs (block_size, max_num_seqs, max_model_len, ...)")
     # -- the morph policy and the fleet controller --

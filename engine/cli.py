@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="stream a chat answer to stdout")
     chat.add_argument("prompt", help="the user message")
     chat.add_argument("--model", default="default", help="'default', a Hugging Face folder or a .gguf file")
-    chat.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
+    chat.add_argument("--dtype", default="auto", help="auto, bf16, fp16 or fp32")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.precision import Precision, parse_dtype, validate_ladder
+from engine.precision import Precision, parse_dtype, resolve_dtype, validate_ladder
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -35,7 +35,8 @@ class EngineConfig(BaseModel):
 
     model: str = Field("default", description="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file")
     served_model_name: str | None = Field(None, description="name in /v1/models; defaults to the model folder's name")
-    dtype: str = Field("bf16", description="full precision: bf16, fp16 or fp32")
+    dtype: str = Field("auto", description="full precision: auto (bf16 where the device computes it natively, "
+                       "else fp16 on CUDA / fp32 on CPU), bf16, fp16 or fp32")
     device: Literal["cpu", "cuda"] = "cpu"
     memory_budget: int | str = Field("1GiB", description="bytes the replica may hold: weights + KV + reserve")
     reserve: int | str | None = Field(None, description="activation reserve in bytes; None = derived from max_num_batched_tokens")
@@ -65,7 +66,8 @@ class EngineConfig(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:
-        parse_dtype(v)
+        if str(v).lower() != "auto":
+            parse_dtype(v)
         return v
 
     @field_validator("memory_budget", "reserve")
@@ -109,7 +111,8 @@ class EngineConfig(BaseModel):
 
     @property
     def torch_dtype(self):
-        return parse_dtype(self.dtype)
+        """The full precision in use: `dtype`, with 'auto' resolved for `device` (engine/capability.py)."""
+        return resolve_dtype(self.dtype, self.device)
 
     @property
     def ladder(self) -> tuple[Precision, ...]:

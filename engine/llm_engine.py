@@ -260,6 +260,9 @@ class LLMEngine:
         return self.monitor.snapshot()
 
     def morph_state(self) -> MorphState:
+        return dataclasses.replace(self._morph_state(), capability=self.runner.capability)
+
+    def _morph_state(self) -> MorphState:
         if self.morph_executor is not None:
             return self.morph_executor.morph_state()
         n = self.model_config.num_layers

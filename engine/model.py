@@ -14,15 +14,18 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.layers.attention import AttentionMetadata, paged_attention
-from engine.layers.linear import DenseLinear, Linear, fuse_dense, tensor_nbytes
+from engine.layers.linear import DenseLinear, FusedWeight, Linear, fuse_dense, tensor_nbytes
+from engine.layers.packed import PackedGroup, pack_group, packed_group_of
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.quant.fused import FusedQuantized, fuse_quantized
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 LINEAR_NAMES = ATTENTION_LINEARS + MLP_LINEARS
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # each runs as one matmul when it can
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [max_blocks, block_size, Hkv, D]
 
@@ -55,12 +58,21 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "o_proj": (h, config.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
 
+def _single_dense(lin: Linear) -> FusedWeight | None:
+    return (lin.weight, lin.bias) if type(lin) is DenseLinear else None
+
+
+def _run(fused: FusedWeight | PackedGroup | FusedQuantized, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, *fused) if isinstance(fused, tuple) else fused(x)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.index, self.config = index, config
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.head_dim ** -0.5
+        self.pack = False  # pre-pack dense weights for oneDNN (set by Transformer.pack_linears)
         biased = layer_bias_names(config, index)
         for name, (out_f, in_f) in linear_shapes(config).items():
             setattr(self, name, DenseLinear.empty(in_f, out_f, name in biased, dtype, device))
@@ -73,17 +85,31 @@ class DecoderLayer(nn.Module):
         """q/k/v -> one matmul, gate/up -> one matmul, when each group is all DenseLinear (fewer, larger
         matmuls are faster on CPU). The 7 linears stay what get_linears() returns; the fused weights
         share their storage (see fuse_dense), so memory and the ledger's bytes are unchanged. A quantized
-        or mixed group runs its linears one by one."""
-        # Plain (weight, bias) tuples, not modules or buffers: their storage is the linears' own, counted once.
-        self._qkv = fuse_dense([self.q_proj, self.k_proj, self.v_proj])
-        self._gate_up = fuse_dense([self.gate_proj, self.up_proj])
+        or mixed group runs its linears one by one.
 
-    def _apply(self, fn, recurse=True):
-        # .to() / .half() move each linear's view on its own, which unties them from the fused
-        # tensors: fuse again (a copy) so the fast path sees the moved weights.
-        out = super()._apply(fn, recurse)
-        self._fuse()
-        return out
+        With `pack` set (Transformer.pack_linears), each dense group (q/k/v, o, gate/up, down) is then
+        packed for oneDNN (engine/layers/packed.py) and its linears become PackedLinear rows of it: the
+        plain copy is dropped, so packing happens here, when a layer is loaded or restored."""
+        # Plain (weight, bias) tuples or PackedGroups, not modules or buffers: their storage is the
+        # linears' own, counted once.
+        self._qkv, self._gate_up = (self._group(names) for names in FUSED_GROUPS)
+        self._o = self._group(("o_proj",)) if self.pack else None
+        self._down = self._group(("down_proj",)) if self.pack else None
+
+    def _group(self, names: tuple[str, ...]) -> FusedWeight | PackedGroup | FusedQuantized | None:
+        linears = [getattr(self, n) for n in names]
+        packed = packed_group_of(linears)
+        if packed is not None:  # a restore of this layer's own saved members: already packed
+            return packed
+        fused = fuse_dense(linears) if len(linears) > 1 else _single_dense(linears[0])
+        if fused is None:  # quantized: q/k/v and gate/up as one kernel call each where the format allows
+            return fuse_quantized(linears)
+        if not self.pack:
+            return fused
+        group, members = pack_group(*fused, [lin.out_features for lin in linears])
+        for name, member in zip(names, members):
+            setattr(self, name, member)
+        return group
 
     def get_linears(self) -> dict[str, Linear]:
         return {n: getattr(self, n) for n in LINEAR_NAMES}
@@ -128,7 +154,7 @@ class DecoderLayer(nn.Module):
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         # One matmul over every token of the step, decodes and prefill chunks alike.
         if self._qkv is not None:
-            qkv = F.linear(x, *self._qkv).view(t, hq + 2 * hkv, d)  # [T, Hq | Hkv | Hkv, D]
+            qkv = _run(self._qkv, x).view(t, hq + 2 * hkv, d)  # [T, Hq | Hkv | Hkv, D]
             qk = rope.rotate(qkv[:, :hq + hkv], positions)  # q and k side by side: one rotation
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
         else:
@@ -137,14 +163,16 @@ class DecoderLayer(nn.Module):
             v = self.v_proj(x).view(t, hkv, d)
             q, k = rope(q, k, positions)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, hq * d))
+        o = o.reshape(t, hq * d)
+        return self.o_proj(o) if self._o is None else self._o(o)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is not None:
-            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)  # [T, I] each
+            gate, up = _run(self._gate_up, x).chunk(2, dim=-1)  # [T, I] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        h = F.silu(gate) * up
+        return self.down_proj(h) if self._down is None else self._down(h)
 
 
 class Transformer(nn.Module):
@@ -163,6 +191,14 @@ class Transformer(nn.Module):
                         else DenseLinear.empty(config.hidden_size, config.vocab_size, False, dtype, device))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                       config.rope_scaling, dtype, device)
+
+    def pack_linears(self) -> None:
+        """Pre-pack every layer's dense linears for oneDNN from now on, including layers installed later
+        by a swap or restore (engine/layers/packed.py). Call after the weights are loaded: hf_tensors()
+        of a packed layer returns copies, not the storage."""
+        for layer in self.layers:
+            layer.pack = True
+            layer._fuse()
 
     @property
     def max_positions(self) -> int:

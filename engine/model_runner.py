@@ -12,13 +12,18 @@ storage every step because a KV resize may move them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
+from engine.capability import detect_capability
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from engine.layers.packed import packing_available
 from engine.model import Transformer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,10 @@ class ModelRunner:
     def __init__(self, model: Transformer, storage, device: torch.device | str):
         self.model, self.storage, self.device = model, storage, torch.device(device)
         self.num_layers = model.config.num_layers
+        self.capability = detect_capability(self.device)
+        if packing_available(model.dtype, self.device):  # same bytes, so the ledger is unchanged
+            model.pack_linears()
+        logger.info("device %s; model dtype %s", self.capability.describe(), str(model.dtype).removeprefix("torch."))
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """fp32 logits [number of chunks with needs_logits, vocab], in chunk order."""

@@ -48,6 +48,14 @@ def parse_dtype(name: str) -> torch.dtype:
     return _DTYPES[Precision(key)]
 
 
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """parse_dtype, plus 'auto': what the device computes natively (engine/capability.py)."""
+    if str(name).lower() == "auto":
+        from engine.capability import choose_dtype, detect_capability  # reads the device: only when asked
+        return choose_dtype(detect_capability(device))
+    return parse_dtype(name)
+
+
 def validate_ladder(ladder: tuple[Precision, ...]) -> tuple[Precision, ...]:
     """A ladder is full -> lower precisions, strictly decreasing in bits, e.g. (BF16, INT8, INT4)."""
     if len(ladder) < 2 or not ladder[0].is_full:

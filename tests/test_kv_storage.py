@@ -76,3 +76,22 @@ def test_ledger_refuses_changes_over_budget():
     ledger.set_layer_weights(0, 50)
     assert ledger.free == 150
     ledger.check_integrity()
+
+
+def test_copy_blocks_in_runs_equals_indexed_copy():
+    """Runs of consecutive ids are copied as one memcpy; the result equals an indexed gather/scatter,
+    for random scattered and partly consecutive mappings."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        s = make(max_blocks=64, capacity=64)
+        s.kv.copy_(torch.randn(s.kv.shape, generator=gen))
+        ids = torch.randperm(64, generator=gen).tolist()
+        n = 1 + trial
+        src = sorted(ids[:n]) if trial % 2 else ids[:n]
+        dst = sorted(ids[n:2 * n]) if trial % 3 else ids[n:2 * n]
+        if trial % 4 == 0:  # consecutive runs on both sides
+            src, dst = list(range(40, 40 + n)), list(range(0, n))
+        expected = s.kv.clone()
+        expected[torch.tensor(dst)] = s.kv[torch.tensor(src)]
+        s.copy_blocks(dict(zip(src, dst)))
+        assert torch.equal(s.kv, expected), trial

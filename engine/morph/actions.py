@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Union
 
+from engine.capability import DeviceCapability
 from engine.precision import Precision
 
 
@@ -58,6 +59,7 @@ class MorphState:
     pending: tuple[MorphAction, ...] = ()  # accepted actions not finished (e.g. waiting restores)
     morphing_enabled: bool = True
     forced_quantized: int = 0  # layers the memory budget forces below full precision (a floor for every cap)
+    capability: DeviceCapability | None = None  # what the device computes natively (and so the dtype chosen)
 
     @property
     def num_quantized(self) -> int:

@@ -12,7 +12,8 @@ Built once per model (engine/morph/prepare.py) and reused by every replica:
 
 The fingerprint covers everything the bytes depend on (weights' identity, dtype, ladder, group size,
 INT4 source), so a changed setting builds a new store instead of reusing a wrong one. Reads go through
-safetensors' safe_open (a private memory map); `read` copies what it returns, so the caller's modules
+a private memory map (morph/mapped_file.py, views without a copy); `read` copies what it returns
+once, so the caller's modules
 own their memory and dropping them really frees it.
 
 Why the INT4 file holds the CPU kernel's layout too: re-packing canonical codes for the CPU kernel
@@ -29,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from engine.errors import ModelLoadError
-from engine.model import LINEAR_NAMES, NORM_NAMES
+from engine.model import FUSED_GROUPS, LINEAR_NAMES, NORM_NAMES
+from engine.morph.mapped_file import MappedSafetensors
 from engine.precision import Precision
 from engine.quant import Int4Weight, from_tensors
 from engine.quant.awq import LayerWeights, QuantizedLayer
@@ -129,13 +130,14 @@ class HostStore:
         layout = cpu_layout() if device is not None and target.type == "cpu" and precision == Precision.INT4 else None
         path = self.layer_file(layer, precision)
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                metadata = f.metadata() or {}
-                tensors = {name: f.get_tensor(name).to(target, copy=True) for name in _wanted(f.keys(), metadata, layout)}
+            with MappedSafetensors(path) as f:
+                metadata = f.metadata
+                names = _wanted(f.names, metadata, layout)
+                tensors = _copy_out(f, names, target, fuse=device is not None and precision.is_full)
         except FileNotFoundError:
             raise ModelLoadError(f"host store {self.path} lacks layer {layer} at {precision.value} "
                                  f"({path.name}); {PREPARE_HINT}") from None
-        except (OSError, SafetensorError) as e:
+        except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot read layer {layer} at {precision.value} from {path} ({e}); {PREPARE_HINT}") from e
         try:
             return _decode(tensors, metadata, precision)
@@ -175,6 +177,28 @@ def _cpu_kernel_tensors(record: Int4Weight, prefix: str) -> tuple[dict[str, torc
     on_cpu = Int4Weight(record.qweight.cpu(), record.scales.cpu(), record.zeros.cpu(), record.group_size)
     packed = pack_int4(on_cpu)
     return packed.to_tensors(prefix) if layout_backend(packed.layout) == "cpu" else ({}, {})
+
+
+def _copy_out(f: "MappedSafetensors", names: list[str], target: torch.device, fuse: bool) -> dict[str, torch.Tensor]:
+    """One copy of each tensor from the map onto `target`. With `fuse`, each group the model runs as one
+    matmul (q/k/v, gate/up) is copied into row slices of one buffer, so the layer installs it without
+    concatenating (a restore allocates its weights once, in their fused form)."""
+    out: dict[str, torch.Tensor] = {}
+    for group in (FUSED_GROUPS if fuse else ()):
+        keys = [f"{n}.weight" for n in group]
+        views = [f.tensor(k) for k in keys]
+        if len({(v.dtype, v.shape[1:]) for v in views}) != 1:
+            continue
+        buf = torch.empty((sum(v.shape[0] for v in views), *views[0].shape[1:]), dtype=views[0].dtype, device=target)
+        row = 0
+        for k, v in zip(keys, views):
+            out[k] = buf[row:row + v.shape[0]]
+            out[k].copy_(v)
+            row += v.shape[0]
+    for name in names:
+        if name not in out:
+            out[name] = f.tensor(name).to(target, copy=True)
+    return out
 
 
 def _wanted(names, metadata: dict[str, str], layout: str | None) -> list[str]:

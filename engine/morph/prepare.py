@@ -25,7 +25,7 @@ from engine.morph.swap_order import prepared_profile_path
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.morph.prepare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--awq-checkpoint", default=None, help="AutoAWQ / compressed-tensors INT4 folder")
     ap.add_argument("--calibration", default="sharegpt",
                     help="AWQ calibration text: sharegpt, wikitext2, none (RTN INT4) or a text file")

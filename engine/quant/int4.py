@@ -128,7 +128,8 @@ class Int4Linear(nn.Module):
                                    f"build it from its Int4Weight on the device it runs on")
             # x: [..., in] -> [tokens, in] in bf16 (the kernels' dtype); y: [tokens, out]
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-            sz = self.scales_and_zeros.to(KERNEL_DTYPE)  # no-op unless someone cast the module
+            # no-op unless someone cast the module, or it is a column slice of a fused group (quant/fused.py)
+            sz = self.scales_and_zeros.to(KERNEL_DTYPE).contiguous()
             y = kernel_mm(x2, self.packed, self.group_size, sz)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.bias is not None:

@@ -1,4 +1,4 @@
-"""Decode step time with 0, 15 and 30 layers in INT4 (bf16 model), batch 1 and 16, side by side.
+"""Decode step time with 0, 15 and 30 layers in INT4 (full-precision model, dtype=auto by default), batch 1 and 16, side by side.
 
 One decode step = every sequence of the batch decodes one token at position `--context` through the
 real ModelRunner and paged KV storage (the KV holds zeros: attention costs the same whatever it
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,7 +28,8 @@ from engine.model_runner import ModelRunner
 from engine.loader import load_model
 from engine.morph.profiler import LayerSwitch
 from engine.quant.awq import LayerWeights
-from engine.precision import Precision, parse_dtype
+from engine.capability import detect_capability
+from engine.precision import Precision, resolve_dtype
 from engine.quant.awq import quantize_layer_rtn
 
 BLOCK_SIZE = 16
@@ -50,19 +52,24 @@ def make_runner(model: Transformer, batch: int, context: int) -> ModelRunner:
     return ModelRunner(model, storage, device)
 
 
-def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds (a loaded
+# machine inflates wall time with waiting; CPU time of a 1-thread run tracks the work; CPU devices only)
+
+
+def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int, clock=time.perf_counter) -> float:
     """Mean seconds per decode step over `steps` consecutive steps."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     sync()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         runner.execute(step)
     sync()  # CUDA launches are asynchronous: time the work, not the launches
-    return (time.perf_counter() - start) / steps
+    return (clock() - start) / steps
 
 
 def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts: Sequence[int],
-          batches: Sequence[int], context: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+          batches: Sequence[int], context: int, rounds: int, steps: int,
+          clock=time.perf_counter) -> dict[str, dict[str, float]]:
     """{"batch=<b>": {"int4=<n>": median seconds per step}} over interleaved rounds (one warm-up round)."""
     runners = {b: (make_runner(model, b, context), decode_batch(b, context, model.config.vocab_size)) for b in batches}
     samples: dict[tuple[int, int], list[float]] = {(b, n): [] for b in batches for n in counts}
@@ -72,7 +79,7 @@ def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts:
                 switch.quantize(i)
             try:
                 for b, (runner, step) in runners.items():
-                    t = time_steps(runner, step, steps)
+                    t = time_steps(runner, step, steps, clock)
                     if r > 0:  # round 0 warms caches and the kernels' packing paths
                         samples[(b, n)].append(t)
             finally:
@@ -87,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--out", type=Path, default=Path("decode_step.json"))
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 15, 30])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -95,10 +102,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="consecutive steps timed per round")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall, or cpu (process CPU time: steadier on a loaded machine, with --threads 1)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, parse_dtype(args.dtype), args.device)
+    loaded = load_model(args.model, resolve_dtype(args.dtype, args.device), args.device)
     name, model = loaded.files.name, loaded.model
     num_layers = model.config.num_layers
     if max(args.layers) > num_layers:
@@ -106,9 +115,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     order = resolve_swap_order(num_layers, name)
     int4 = {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4) for i in order.order[:max(args.layers)]}
     results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
-                    args.rounds, args.steps)
-    report = {"model": name, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
-              "context": args.context, "rounds": args.rounds, "steps_per_round": args.steps,
+                    args.rounds, args.steps, CLOCKS[args.clock])
+    report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
+              "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
+              "context": args.context, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
               "swap_order": order.source, "int4": "rtn, group 128 (64 where needed)",
               "median_seconds_per_step": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")

@@ -3,7 +3,7 @@ time with 0 and with 100 live blocks to migrate, and the process RSS before and 
 swapped down. Medians over `--repeats`. Runs between steps of an idle LLMEngine, through the same
 MorphExecutor and KVResizer the server uses (host store built on first start, then reused).
 
-    python -m ops.bench.morph_latency --model default --dtype bf16 --repeats 5 --out ops/bench/results/morph_latency.json
+    python -m ops.bench.morph_latency --model default --dtype auto --repeats 5 --out ops/bench/results/morph_latency.json
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def rss_after_full_morph(engine: LLMEngine, precision: Precision) -> dict:
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--memory-budget", default="1GiB")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", default="all", help="'all' or comma-separated layer ids")
@@ -119,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(), "engine_start_s": round(start_s, 2),
                 "host_store": str(engine.morph_executor.swapper.store.path),
                 "host_store_build_s": engine.morph_executor.swapper.store.manifest.build_seconds,
-                "int4_cpu_layout": cpu_layout()},  # INT4 swap-downs copy stored bytes in this layout
+                "int4_cpu_layout": cpu_layout(), "capability": engine.runner.capability.as_dict(),
+                "resolved_dtype": str(config.torch_dtype).removeprefix("torch.")},  # INT4 swap-downs copy stored bytes in this layout
         "kv_capacity_blocks": engine.pool.capacity,
         "swap_int4": layer_swaps(engine, layers, Precision.INT4, args.repeats),
         "swap_int8": layer_swaps(engine, layers[:3], Precision.INT8, args.repeats),

@@ -3,7 +3,8 @@
     python -m ops.bench.ours_offline --model-dir HF_DIR --threads 2 --max-model-len 2048 --kv-gib 1
 
 Every request is added, then step() runs until none is unfinished: continuous batching and chunked
-prefill exactly as served. The memory budget is the model's bf16 weights + the KV space (--kv-gib)
+prefill exactly as served. dtype=auto (bf16 on a CPU with native bf16,
+else fp32; engine/capability.py). The memory budget is the model's weights + the KV space (--kv-gib)
 + the activation reserve, like vLLM's KV space setting; KV pages untouched by a run never become
 resident. Morphing is off: this measures the full-precision engine.
 """
@@ -26,13 +27,16 @@ class OursBackend:
         from engine.llm_engine import LLMEngine
 
         extra = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
-        self.config = EngineConfig(model=model_dir, dtype="bf16", num_threads=threads, max_model_len=max_model_len,
+        from engine.capability import detect_capability
+
+        self.config = EngineConfig(model=model_dir, dtype="auto", num_threads=threads, max_model_len=max_model_len,
                                    memory_budget=int((kv_gib + _WEIGHT_HEADROOM_GIB) * _GIB),
                                    enable_morphing=False, max_num_seqs=256, **extra)
         self.engine = LLMEngine(self.config)
         self._batch = 0
         plan = self.engine.memory_plan
-        self._info = {"backend": "ours", "torch": torch.__version__, "dtype": "bf16", "threads": threads,
+        self._info = {"backend": "ours", "torch": torch.__version__, "dtype": str(self.config.torch_dtype).removeprefix("torch."),
+                      "capability": detect_capability("cpu").as_dict(), "threads": threads,
                       "max_num_seqs": self.config.max_num_seqs,
                       "max_num_batched_tokens": self.config.max_num_batched_tokens,
                       "block_size": self.config.block_size, "kv_capacity_blocks": plan.capacity,

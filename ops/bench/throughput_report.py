@@ -116,7 +116,10 @@ def machine_facts() -> dict:
     try:
         import torch
 
+        from engine.capability import detect_capability
+
         facts["torch"] = torch.__version__
+        facts["capability"] = detect_capability("cpu").as_dict()
     except ImportError:
         pass
     return facts

@@ -1,0 +1,96 @@
+"""Quantized q/k/v and gate/up as one kernel call each, like the dense path (engine/layers/linear.py).
+
+INT8: the codes [out, in] and per-row scales concatenate along the output rows.
+INT4 (CPU kernel layout): the packed bytes are blocks of output columns ([N, K/2] uint8 rows for
+N % 64 == 0, the widest block any ISA uses), so members packed on their own concatenate along dim 0
+into exactly what packing the concatenation gives; scales_and_zeros [in/G, out, 2] concatenate along
+dim 1. Other layouts (CUDA's tiled one, "dequant") are not fused.
+
+Like fuse_dense, the members are re-pointed to slices of the fused tensors (no memory growth, nbytes
+of each stays exact, values bit-identical), so the layer's bytes are what the ledger counts.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from engine.quant.int4 import Int4Linear
+from engine.quant.int4_kernel import kernel_mm
+from engine.quant.int8 import KERNEL_DTYPE, Int8Linear
+
+_INT4_ROW_BLOCK = 64  # output rows per packed block on AVX512 (AVX2: 32): members must end on a block
+
+
+class FusedQuantized:
+    """One kernel call computing several quantized linears side by side (outputs concatenated)."""
+
+    def __init__(self, kind: str, weight: Tensor, scales: Tensor, bias: Tensor | None, in_features: int,
+                 out_features: int, group_size: int = 0):
+        self.kind, self.weight, self.scales, self.bias = kind, weight, scales, bias
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        if self.kind == "int8":  # scales stay fp32 (the members' own storage); n values cast per call
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales.to(KERNEL_DTYPE))
+        else:
+            y = kernel_mm(x2, self.weight, self.group_size, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
+    with torch.no_grad():
+        return torch.cat(list(parts), dim=dim)
+
+
+def _fused_bias(linears: Sequence[nn.Module]) -> tuple[bool, Tensor | None]:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return True, None
+    if any(b is None for b in biases):
+        return False, None
+    return True, _cat(biases, 0)
+
+
+def fuse_quantized(linears: Sequence[nn.Module]) -> FusedQuantized | None:
+    """The fused call for a group of same-kind quantized linears, or None when they cannot be fused."""
+    if len(linears) < 2 or len({type(lin) for lin in linears}) != 1 or type(linears[0]) not in (Int8Linear, Int4Linear):
+        return None
+    if len({lin.in_features for lin in linears}) != 1:
+        return None
+    ok, bias = _fused_bias(linears)
+    if not ok:
+        return None
+    k, n = linears[0].in_features, sum(lin.out_features for lin in linears)
+    if type(linears[0]) is Int8Linear:
+        if not all(lin.use_kernel for lin in linears):
+            return None
+        fused = FusedQuantized("int8", _cat([l.qweight for l in linears], 0),
+                               _cat([l.scales for l in linears], 0), bias, k, n)
+        _repoint(linears, fused, "qweight")
+        return fused
+    if (any(l.backend != "cpu" or l.layout != linears[0].layout or l.group_size != linears[0].group_size
+            or l.out_features % _INT4_ROW_BLOCK for l in linears)):
+        return None
+    fused = FusedQuantized("int4", _cat([l.packed for l in linears], 0),
+                           _cat([l.scales_and_zeros for l in linears], 1), bias, k, n, linears[0].group_size)
+    _repoint(linears, fused, "packed")
+    return fused
+
+
+def _repoint(linears: Sequence[nn.Module], fused: FusedQuantized, weight_name: str) -> None:
+    """Members become row slices of the fused tensors: one copy in memory, exact bytes each."""
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        setattr(lin, weight_name, fused.weight[row:row + n])
+        if fused.kind == "int8":
+            lin.scales = fused.scales[row:row + n]
+        else:  # [in/G, n, 2] column slice: a view (Int4Linear makes it contiguous if it runs alone)
+            lin.scales_and_zeros = fused.scales[:, row:row + n]
+        if fused.bias is not None:
+            lin.bias = fused.bias[row:row + n]
+        row += n

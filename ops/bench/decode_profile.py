@@ -1,0 +1,82 @@
+"""Per-op CPU profile of one decode step (torch.profiler), batch 1 and 32, for the README's
+performance section. Runs against whichever engine is on PYTHONPATH, so a before/after is two runs:
+
+    PYTHONPATH=$PWD .venv/bin/python ops/bench/decode_profile.py --threads 2          # this tree
+    PYTHONPATH=/path/to/old/checkout .venv/bin/python ops/bench/decode_profile.py ...   # another engine
+
+Each batch: warm-up steps, then `--steps` profiled steps; the table is self CPU time per step by op.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine.batch import ScheduledChunk, SchedulerOutput
+from engine.kv_storage import KVStorage
+from engine.model_runner import ModelRunner
+from engine.loader import load_model
+from engine.precision import parse_dtype
+
+BLOCK_SIZE = 16
+
+
+def make_runner(model, batch: int, context: int):
+    """A runner whose storage holds `batch` sequences of `context` tokens, and their decode step
+    (the same as ops/bench/decode_step.py; repeated here so an older engine on PYTHONPATH can run it)."""
+    per_seq = -(-(context + 1) // BLOCK_SIZE)
+    c = model.config
+    storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, model.dtype, "cpu",
+                        max_blocks=batch * per_seq, capacity=batch * per_seq)
+    chunks = tuple(ScheduledChunk(f"r{i}", ((7 * i + 11) % c.vocab_size,), context,
+                                  tuple(range(i * per_seq, (i + 1) * per_seq)), needs_logits=True)
+                   for i in range(batch))
+    return ModelRunner(model, storage, "cpu"), SchedulerOutput(chunks)
+
+
+def profile_step(model, batch: int, context: int, steps: int, top: int) -> dict:
+    runner, step = make_runner(model, batch, context)
+    for _ in range(3):
+        runner.execute(step)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.execute(step)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in rows) / steps / 1e3
+    ops = [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / steps / 1e3, 3),
+            "calls_per_step": e.count // steps} for e in rows[:top]]
+    return {"batch": batch, "total_self_ms_per_step": round(total, 2), "ops": ops}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import engine
+    model = load_model(args.model, parse_dtype(args.dtype), "cpu").model
+    report = {"engine": str(Path(engine.__file__).parent), "dtype": args.dtype, "threads": args.threads,
+              "context": args.context, "loadavg_1_5_15": list(os.getloadavg()),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "profiles": [profile_step(model, b, args.context, args.steps, args.top) for b in args.batch]}
+    for p in report["profiles"]:
+        print(f"\nbatch {p['batch']}: {p['total_self_ms_per_step']} ms self CPU per step")
+        for o in p["ops"]:
+            print(f"  {o['self_ms_per_step']:8.2f} ms  x{o['calls_per_step']:<4} {o['op']}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Pre-packed (oneDNN) bf16 linears: same outputs as F.linear, same bytes in the ledger, and a swap
+down + restore of a packed layer is a bit-identical round trip that repacks on install."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.packed import PackedLinear, packing_available
+from engine.morph.actions import RestoreLayer, SwapLayer
+from engine.precision import Precision
+from engine.sampling_params import SamplingParams
+from tests.morph_helpers import engine_for, one_thread  # noqa: F401 (one_thread is a fixture)
+from tests.test_layer_swapper import current_tensors, original_tensors
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="no native bf16 on this CPU")]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [11, 12, 13], "c": list(range(20, 37))}
+
+
+def generate(engine) -> dict[str, list[int]]:
+    for rid, p in PROMPTS.items():
+        engine.add_request(rid, p, GREEDY)
+    tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            tokens[out.request_id].extend(out.token_ids)
+    return tokens
+
+
+
+
+def _dense(lin):
+    from engine.layers.linear import DenseLinear
+    return DenseLinear(lin.weight, None if lin.bias is None else lin.bias.clone())
+
+
+def test_packed_model_matches_plain_and_counts_the_same_bytes(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False)
+    layer = engine.model.layers[0]
+    linears = layer.get_linears()
+    assert all(isinstance(l, PackedLinear) for l in linears.values())
+    # The members of each group sum to exactly the packed tensor's resident bytes.
+    groups = {id(l.group): l.group for l in linears.values()}
+    assert sum(g.nbytes() for g in groups.values()) == layer.weight_bytes() == engine.ledger.layer_weights(0)
+    packed = generate(engine)
+
+    plain_engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False)
+    for lyr in plain_engine.model.layers:
+        lyr.pack = False
+        lyr.set_weights({n: _dense(l) for n, l in lyr.get_linears().items()})
+    assert not isinstance(plain_engine.model.layers[0].q_proj, PackedLinear)
+    assert generate(plain_engine) == packed
+    for lin in linears.values():  # a member alone = F.linear on its rows, bit for bit
+        x = torch.randn(5, lin.in_features, dtype=torch.bfloat16)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_swap_and_restore_of_a_packed_layer_is_bit_identical(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16")
+    originals = original_tensors(engine, 1)
+    before = generate(engine)
+    down = engine.apply(SwapLayer(1, Precision.INT4))
+    assert down.status == "done" and engine.model.layers[1].q_proj.precision == Precision.INT4
+    restored = engine.apply(RestoreLayer(1))
+    assert restored.status == "done" and restored.weight_bytes_delta == -down.weight_bytes_delta
+    layer = engine.model.layers[1]
+    assert all(isinstance(l, PackedLinear) for l in layer.get_linears().values())  # packed again on install
+    for name, t in current_tensors(engine, 1).items():
+        assert t.dtype == originals[name].dtype and torch.equal(t, originals[name]), name
+    assert engine.ledger.layer_weights(1) == layer.weight_bytes()
+    engine.check_integrity()
+    assert generate(engine) == before
