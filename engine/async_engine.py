@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, StepFailed
+from engine.heap import release_free_heap
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import ActionResult, MorphAction, MorphState
 from engine.morph.admission import AdmissionGrant, enact
@@ -241,6 +242,7 @@ class AsyncLLMEngine:
             self._cond.notify()
 
     def _run(self) -> None:
+        stepped = False
         try:
             while True:
                 with self._cond:
@@ -255,9 +257,13 @@ class AsyncLLMEngine:
                 self._morph_moving = self._morph_moving or bool(commands)
                 if self._has_work():
                     self._step()
+                    stepped = True
                 self._pressure = self.engine.pressure()
                 self._morph_state = self.engine.morph_state()
                 self._heartbeat = time.monotonic()
+                if stepped and not self._has_work():  # busy -> idle: hand the batch's freed heap back
+                    release_free_heap()
+                    stepped = False
         except BaseException as e:  # a bug in the loop itself: nothing can be served any more
             logger.exception("engine loop died")
             self._dead = e
