@@ -10,7 +10,7 @@ pinning layers low or back high really swaps weights and resizes the KV cache.
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
+import http.client as httpclient
 import json
 import threading
 import time
@@ -41,7 +41,7 @@ def app():
 def _timed(method: str, url: str, body=None, headers=None, timeout_s: float = 120.0) -> tuple[int, float, dict]:
     """(status, seconds, headers) with the raw response headers (urllib hides them on errors)."""
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    conn = httpclient.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     started = time.monotonic()
     try:
         conn.request(method, parts.path, body=None if body is None else json.dumps(body),
@@ -49,7 +49,7 @@ def _timed(method: str, url: str, body=None, headers=None, timeout_s: float = 12
         resp = conn.getresponse()
         data = resp.read()
         return resp.status, time.monotonic() - started, {"retry-after": resp.getheader("Retry-After"), "_body": data}
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, httpclient.HTTPException) as e:
         return 0, time.monotonic() - started, {"_error": repr(e)}
     finally:
         conn.close()
@@ -116,7 +116,7 @@ def test_ten_times_overload_is_refused_fast_and_health_stays_responsive(app):
 def _drop_mid_stream(url: str, i: int) -> int:
     """Open a streaming chat, read until two tokens have arrived, then hang up. Returns data events read."""
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    conn = httpclient.HTTPConnection(parts.hostname, parts.port, timeout=120)
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps(_chat_body(i, 200, stream=True)),
                      headers={"Content-Type": "application/json"})
@@ -169,3 +169,52 @@ def test_hundred_mid_stream_disconnects_under_morphing_leak_nothing(app):
     assert end["pressure"]["kv_used_blocks"] == 0
     status, body = http("POST", app + "/v1/chat/completions", _chat_body(0, 4))
     assert status == 200, body
+
+
+@pytest.mark.slow
+def test_fuzzing_the_real_app_gets_no_5xx(app):
+    """A smaller schemathesis run against the real app (the 2,000-request run is in test_fuzz_api.py,
+    against the HTTP layer with the FakeEngine). Valid bodies name the served model, so they reach
+    the real engine's validation; max_tokens is clamped to 4 to keep each one a few decode steps."""
+    pytest.importorskip("schemathesis")
+    from schemathesis import GenerationMode
+
+    from tests import test_fuzz_api as fuzz
+
+    def send(kwargs: dict) -> tuple[int, str]:
+        body = kwargs.get("json")
+        if isinstance(body, dict):
+            body = {**body, "model": MODEL} if "model" in body else body
+            if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
+                body = {**body, "max_tokens": 4}
+            if isinstance(body.get("max_completion_tokens"), int) and body["max_completion_tokens"] > 4:
+                body = {**body, "max_completion_tokens": 4}
+        raw = kwargs.get("content")
+        data = raw.encode() if isinstance(raw, str) else raw if raw is not None else (
+            json.dumps(body).encode() if body is not None else None)
+        query = urllib.parse.urlencode(kwargs["params"] or {}, doseq=True)
+        headers = {**kwargs["headers"], "Authorization": f"Bearer {ADMIN}"}
+        status, seconds, detail = _timed_raw(kwargs["method"], app + kwargs["url"] + (f"?{query}" if query else ""),
+                                             data, headers)
+        return status, str(detail)[:300]
+
+    operations = {(op.method, op.path): op for op in fuzz._operations(fuzz._ingress())}
+    sent = 0
+    for key in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/admin/morph")):
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            sent += fuzz._fuzz(operations[key], mode, 25, send)
+    assert sent >= 100
+    assert http("GET", app + "/health")[0] == 200
+
+
+def _timed_raw(method: str, url: str, data: bytes | None, headers: dict) -> tuple[int, float, bytes]:
+    parts = urllib.parse.urlsplit(url)
+    conn = httpclient.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    started = time.monotonic()
+    try:
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        return resp.status, time.monotonic() - started, resp.read()
+    finally:
+        conn.close()
