@@ -157,7 +157,14 @@ def local_app(args: dict):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to come up; a loaded machine may need more
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:  # noqa: BLE001
+            ray.shutdown()
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="soak", route_prefix="/", blocking=False)
