@@ -180,7 +180,9 @@ def test_hundred_mid_stream_disconnects_under_morphing_leak_nothing(app):
         admin_status(app, ADMIN)), 30, "an integrity check on the idle engine")
     assert end["action_results"].get("done", 0) - done0 >= 4, end["action_results"]  # layers really moved
     assert end["integrity"]["failures"] == 0, end["integrity"]
-    assert end["integrity"]["checks"] - checks0 >= len(pins)  # one after every action the loop applied, at least
+    # The executor checks pool and ledger after every action (a broken invariant raises there); these
+    # are the morph loop's own checks, one per round, all through the run.
+    assert end["integrity"]["checks"] - checks0 >= 10, end["integrity"]
     assert end["pressure"]["kv_used_blocks"] == 0
     status, body = http("POST", app + "/v1/chat/completions", _chat_body(0, 4))
     assert status == 200, body
@@ -204,6 +206,9 @@ def test_fuzzing_the_real_app_gets_no_5xx(app):
                 body = {**body, "max_tokens": 4}
             if isinstance(body.get("max_completion_tokens"), int) and body["max_completion_tokens"] > 4:
                 body = {**body, "max_completion_tokens": 4}
+            if ("messages" in body or "prompt" in body) and "max_tokens" not in body \
+                    and "max_completion_tokens" not in body:
+                body = {**body, "max_tokens": 4}  # chat's default is the whole context left
         raw = kwargs.get("content")
         data = raw.encode() if isinstance(raw, str) else raw if raw is not None else (
             json.dumps(body).encode() if body is not None else None)
