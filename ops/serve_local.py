@@ -7,10 +7,10 @@
 `serve run` starts its local Ray cluster on the machine's network address, with the metrics agent
 (`ray_morphserve_*`, no login) on all interfaces. On Linux, Ray turns a node address of 127.0.0.1
 into the network address unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (the single-machine mode Ray
-uses on macOS and Windows); with it, the node address is 127.0.0.1 and Ray's agents and the Serve
-proxy listen on loopback. What Ray 2.60 still binds to every interface (the GCS, raylet and
-core-worker gRPC ports, behind Ray's token authentication) and how to close it is in README.md
-("Network exposure"). Ctrl-C or SIGTERM stops Serve and the cluster.
+uses on macOS and Windows); with it, the node address is 127.0.0.1 and the GCS, raylet, workers,
+Ray's agents and the Serve proxy listen on loopback. What still binds to every interface (one Ray
+Serve port per replica) and how to close it is in README.md ("Network exposure"). Ctrl-C or
+SIGTERM stops Serve and the cluster.
 """
 from __future__ import annotations
 
