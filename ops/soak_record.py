@@ -53,7 +53,8 @@ def count_morph_cycles(samples: list[Sample]) -> int:
 
 def memory_by_replica(samples: list[Sample], tolerance: float) -> list[dict[str, Any]]:
     """Per replica process: RSS at its first and last idle samples, its peak, and whether the end
-    is within `tolerance` (a fraction) of the first idle plateau."""
+    grew by at most `tolerance` (a fraction) over the first idle plateau (ending lower is fine: the
+    first plateau may still hold a burst's heap that a later idle trim returned)."""
     out = []
     for pid in dict.fromkeys(s.pid for s in samples):
         mine = [s for s in samples if s.pid == pid]
@@ -63,7 +64,7 @@ def memory_by_replica(samples: list[Sample], tolerance: float) -> list[dict[str,
         if len(idle) >= 2:
             first, last = idle[0].rss_bytes, idle[-1].rss_bytes
             row.update(rss_first_idle=first, rss_last_idle=last, growth_after_first_idle=(last - first) / first,
-                       within_tolerance=abs(last - first) / first <= tolerance)
+                       within_tolerance=(last - first) / first <= tolerance)
         out.append(row)
     return out
 

@@ -27,6 +27,8 @@ def test_memory_compares_each_replicas_last_idle_sample_with_its_first():
     assert (first["rss_first_idle"], first["rss_last_idle"], first["rss_peak"]) == (200, 205, 260)
     assert first["within_tolerance"] and not second["within_tolerance"]
     assert second["growth_after_first_idle"] == (170 - 150) / 150
+    shrunk, = memory_by_replica([sample(0, rss=200, idle=True), sample(1, rss=150, idle=True)], tolerance=0.05)
+    assert shrunk["within_tolerance"]  # ending below the first plateau is no growth
 
 
 def test_integrity_sums_the_last_counts_of_every_replica_and_the_verdict_needs_all():
