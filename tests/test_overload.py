@@ -222,8 +222,8 @@ def test_fuzzing_the_real_app_gets_no_5xx(app):
     sent = 0
     for key in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/admin/morph")):
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            sent += fuzz._fuzz(operations[key], mode, 25, send)
-    assert sent >= 100
+            sent += fuzz._fuzz(operations[key], mode, 15, send)
+    assert sent >= 60
     assert http("GET", app + "/health")[0] == 200
 
 
