@@ -174,7 +174,7 @@ def test_hundred_mid_stream_disconnects_under_morphing_leak_nothing(app):
         http("POST", app + "/admin/morph", {"morphing_enabled": True}, headers=AUTH)
     assert len(events) == 100 and pins and set(pins) == {200}
     idle = until(lambda: (lambda s: s if s["pressure"]["num_running"] == 0 and s["pressure"]["num_waiting"] == 0
-                          and s["pressure"]["kv_used_blocks"] == 0 and s["admission"]["live_requests"] == 0
+                          and s["pressure"]["kv_used_blocks"] == 0 and s["queue"]["live_requests"] == 0
                           else None)(admin_status(app, ADMIN)), 60, "every dropped stream aborted and its blocks freed")
     end = until(lambda: (lambda s: s if s["integrity"]["checks"] > idle["integrity"]["checks"] else None)(
         admin_status(app, ADMIN)), 30, "an integrity check on the idle engine")
