@@ -170,10 +170,10 @@ class LLMServer:
 
     async def _admission_status(self) -> dict[str, Any] | None:
         """The admission morph's status, read at a step boundary; None when no boundary comes within
-        a second (a long step), so the admin call never waits behind generation for longer."""
+        0.2 s (a long step), so an admin call never waits behind generation for longer."""
         try:
             return await asyncio.wait_for(self.engine.run_at_step_boundary(
-                lambda e: e.admission.status() if getattr(e, "admission", None) is not None else None), 1.0)
+                lambda e: e.admission.status() if getattr(e, "admission", None) is not None else None), 0.2)
         except asyncio.TimeoutError:
             return None
 
