@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test bench bench-quick bench-fleet bench-throughput prepare chat clean-venv
+.PHONY: venv run soak test bench bench-quick bench-fleet bench-throughput prepare chat clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,17 @@ $(STAMP): pyproject.toml requirements.lock
 
 venv: $(STAMP)
 
-# Serve the OpenAI-compatible API on http://127.0.0.1:8000 (Ray Serve, default model).
+# Serve the OpenAI-compatible API on http://127.0.0.1:8000 (Ray Serve, default model), loopback only.
+# `make run HOST=0.0.0.0` opens it (and Ray's agents) to the network; ARGS="key=value ..." are AppArgs.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 run: $(STAMP)
-	$(VENV)/bin/serve run deployments:app
+	HOST=$(HOST) PORT=$(PORT) $(PY) -m ops.serve_local $(ARGS)
+
+# Soak: bursty traffic, morph cycles, a controller and a replica kill; JSON under ops/soak_results/.
+MINUTES ?= 30
+soak: $(STAMP)
+	$(PY) -m ops.soak --minutes $(MINUTES)
 
 # Stream one chat answer from the engine alone (no Ray).
 chat: $(STAMP)

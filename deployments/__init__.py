@@ -21,6 +21,7 @@ def build_app(args: dict[str, Any] | None = None):
     """The bound application for `args` (see deployments/app_args.py: AppArgs). Unknown or bad
     keys raise InvalidRequestError naming them, before anything is deployed."""
     from ray import serve
+    from ray.serve.config import BackpressureConfig
 
     from deployments.app_args import parse_app_args
     from deployments.autoscaling import with_morph_policy
@@ -31,16 +32,21 @@ def build_app(args: dict[str, Any] | None = None):
     scaling: dict[str, Any] = ({"autoscaling_config": with_morph_policy(parsed.autoscaling_config)}
                                if parsed.autoscaling_config is not None
                                else {"num_replicas": parsed.num_replicas or 1})
+    # Every queue is bounded: Serve's beyond max_ongoing_requests (max_queued_requests), the engine's
+    # (max_waiting). A refusal anywhere is a 503 with Retry-After (README "Overload").
+    backpressure = BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s)
     engine = serve.deployment(LLMServer).options(
-        name=ENGINE_NAME, max_ongoing_requests=parsed.max_ongoing_requests,
-        max_queued_requests=parsed.max_queued_requests,
+        name=ENGINE_NAME, max_ongoing_requests=parsed.engine_max_ongoing_requests(),
+        max_queued_requests=parsed.max_queued_requests, backpressure_config=backpressure,
         # The first start on a model may prepare its host store (minutes); do not give up on it.
         health_check_timeout_s=60, graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": parsed.engine_num_cpus, "num_gpus": parsed.engine_num_gpus},
         **scaling)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME, num_replicas=parsed.ingress_replicas,
-        max_ongoing_requests=parsed.ingress_max_ongoing_requests, ray_actor_options={"num_cpus": 0})
+        max_ongoing_requests=parsed.ingress_max_ongoing_requests,
+        max_queued_requests=parsed.ingress_max_queued_requests, backpressure_config=backpressure,
+        ray_actor_options={"num_cpus": 0})
     args_dump = parsed.model_dump()
     return ingress.bind(engine.bind(args_dump), args_dump)
 

@@ -20,7 +20,7 @@ from engine.errors import InvalidRequestError
 API_KEY_ENV = "MORPHSERVE_API_KEY"
 ADMIN_TOKEN_ENV = "MORPHSERVE_ADMIN_TOKEN"
 # EngineConfig fields AppArgs sets itself; `engine` may carry any other EngineConfig field.
-_ENGINE_FIELDS_AT_TOP = ("model", "served_model_name", "dtype", "device", "memory_budget")
+_ENGINE_FIELDS_AT_TOP = ("model", "served_model_name", "dtype", "device", "memory_budget", "max_waiting")
 
 
 class AppArgs(BaseModel):
@@ -32,6 +32,7 @@ class AppArgs(BaseModel):
     memory_budget: int | str = Field("1GiB", description="bytes one engine replica may hold: weights + KV + reserve")
     dtype: str = Field("auto", description="full precision: auto (native bf16 where the device has it), bf16, fp16 or fp32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when the replica sees a GPU")
+    max_waiting: int = Field(32, ge=1, description="requests one engine replica queues beyond its running batch (max_num_seqs); more -> 503 + Retry-After at once")
     engine: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig knobs (block_size, max_num_seqs, max_model_len, ...)")
     # -- the morph policy and the fleet controller --
     mode: ModeName = Field("balanced", description="accuracy | balanced | performance")
@@ -46,10 +47,13 @@ class AppArgs(BaseModel):
     # -- Ray Serve --
     num_replicas: int | None = Field(None, ge=1, description="engine replicas (fixed); exclusive with autoscaling_config")
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling of the engine replicas")
-    max_ongoing_requests: int = Field(64, ge=1, description="requests one engine replica accepts at once (Ray Serve back-pressure beyond)")
-    max_queued_requests: int = Field(-1, ge=-1, description="requests a caller may queue for the engine replicas (-1: no limit); beyond -> 503")
+    max_ongoing_requests: int | None = Field(None, ge=1, description="Serve calls one engine replica takes at once; default: engine_max_ongoing_requests()")
+    max_queued_requests: int = Field(32, ge=-1, description="calls Serve queues for the engine replicas while all are at max_ongoing_requests or restarting (-1: no limit); beyond -> 503")
+    control_slots: int = Field(8, ge=1, description="Serve calls per engine replica kept free of generation for health and admin calls")
+    engine_stall_s: float = Field(60.0, gt=0.0, description="a replica whose engine has work but finishes no step for this long fails its health check")
     ingress_replicas: int = Field(1, ge=1)
-    ingress_max_ongoing_requests: int = Field(256, ge=1)
+    ingress_max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one ingress replica handles at once")
+    ingress_max_queued_requests: int = Field(64, ge=-1, description="HTTP requests Serve's proxy queues for the ingress beyond that (-1: no limit); beyond -> 503")
     engine_num_cpus: float = Field(1.0, ge=0.0, description="Ray CPUs reserved per engine replica")
     engine_num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per engine replica (1 on a GPU cluster)")
     # -- HTTP --
@@ -97,7 +101,19 @@ class AppArgs(BaseModel):
         """`device`: what "auto" resolved to on the replica (the driver may have no GPU)."""
         resolved = device or (self.device if self.device != "auto" else "cpu")
         return EngineConfig(model=self.model, served_model_name=self.served_model_name, dtype=self.dtype,
-                            device=resolved, memory_budget=self.memory_budget, **self.engine)
+                            device=resolved, memory_budget=self.memory_budget, max_waiting=self.max_waiting,
+                            **self.engine)
+
+    def engine_max_ongoing_requests(self) -> int:
+        """Serve's max_ongoing_requests for an engine replica. Large enough that generation alone never
+        fills it: the engine refuses generation beyond max_num_seqs + max_waiting at once (503), every
+        ingress replica makes at most ingress_max_ongoing_requests calls (tokenize, generate) at a time,
+        and control_slots stay free, so health and admin calls are never queued behind generation."""
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        engine = self.engine_config()
+        return (engine.max_num_seqs + engine.max_waiting + self.ingress_replicas * self.ingress_max_ongoing_requests
+                + self.control_slots)
 
     def policy_config(self) -> PolicyConfig:
         return PolicyConfig.model_validate({**self.policy, "mode": self.mode})

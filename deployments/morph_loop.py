@@ -100,6 +100,11 @@ class MorphLoop:
         self._task: asyncio.Task | None = None
         self._cursor = 0  # position in the engine's morph log already counted
         self._rejected: SetQuantizedTarget | None = None
+        # check_integrity (block pool, block tables, ledger) runs at every observation; a failure is
+        # counted and reported (admin status, soak), never raised into the serving path.
+        self.integrity_checks = 0
+        self.integrity_failures = 0
+        self.last_integrity_error: str | None = None
 
     # -- the loop ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,8 +135,15 @@ class MorphLoop:
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def observe(self) -> tuple[PressureSnapshot, MorphState]:
-        """A fresh snapshot and state, read together on the stepping thread between two steps."""
-        return await self.engine.run_at_step_boundary(lambda e: (e.pressure(), e.morph_state()))
+        """A fresh snapshot and state, read together on the stepping thread between two steps,
+        after checking the engine's integrity there."""
+        snapshot, state, error = await self.engine.run_at_step_boundary(_checked_observation)
+        self.integrity_checks += 1
+        if error is not None:
+            self.integrity_failures += 1
+            self.last_integrity_error = error
+            log.error("engine integrity check failed: %s", error)
+        return snapshot, state
 
     async def run_once(self) -> LoopRecord:
         snapshot, state = await self.observe()
@@ -240,4 +252,18 @@ class MorphLoop:
                 "message": last.result.message if last.result else ""},
             "rounds": self.rounds,
             "action_results": dict(self.action_counts),
+            "integrity": {"checks": self.integrity_checks, "failures": self.integrity_failures,
+                          "last_error": self.last_integrity_error},
         }
+
+
+def _checked_observation(engine: Any) -> tuple[PressureSnapshot, MorphState, str | None]:
+    """On the stepping thread: (pressure, morph state, integrity error or None)."""
+    error = None
+    check = getattr(engine, "check_integrity", None)
+    if check is not None:  # test doubles may have none
+        try:
+            check()
+        except Exception as e:  # noqa: BLE001 - reported, the replica keeps serving
+            error = f"{type(e).__name__}: {e}"
+    return engine.pressure(), engine.morph_state(), error

@@ -15,6 +15,13 @@ a reader keeps a cursor: `morph_results_since(cursor) -> (cursor, results)`.
 A consumer that stops iterating (or is cancelled: client disconnect) aborts its request at once,
 freeing its blocks. A request that makes a step raise fails alone (LLMEngine isolates it); the
 loop keeps serving.
+
+Admission is decided on the event loop before anything is queued for the thread: more than
+`max_num_seqs + max_waiting` live requests is EngineOverloadedError at once (an HTTP 503 in well
+under a second), instead of after the current step. The engine's own `max_waiting` check at
+add_request stays the authority (KV-bound batches run fewer than max_num_seqs).
+Liveness (`check_alive`) reads a heartbeat the thread stamps after every command batch and step, so
+a health check never waits behind queued work.
 """
 from __future__ import annotations
 
@@ -22,11 +29,13 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError, StepFailed
+from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, StepFailed
+from engine.heap import release_free_heap
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import ActionResult, MorphAction, MorphState
 from engine.morph.admission import AdmissionGrant, enact
@@ -77,6 +86,8 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._pressure = self.engine.pressure()
         self._morph_state = self.engine.morph_state()
+        self._live = 0  # requests admitted and not yet finished; touched only on the event loop
+        self._heartbeat = time.monotonic()  # stamped by the stepping thread after every round
         self._thread = threading.Thread(target=self._run, name="morphserve-engine", daemon=True)
         self._thread.start()
 
@@ -116,9 +127,31 @@ class AsyncLLMEngine:
                 self._morph_seq += 1
                 self._morph_log.append((self._morph_seq, result))
 
+    @property
+    def capacity(self) -> int:
+        """Live requests this engine admits: a full batch plus a full waiting queue."""
+        return self.engine.config.max_num_seqs + self.engine.config.max_waiting
+
+    @property
+    def num_live(self) -> int:
+        return self._live
+
+    def check_alive(self, stall_s: float) -> None:
+        """Raise EngineDeadError when the stepping thread is dead, or has had work but finished no
+        round for `stall_s` seconds (a hung step). Never waits for the thread."""
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop stopped: {self._dead!r}")
+        silent_s = time.monotonic() - self._heartbeat
+        busy = self._live > 0 or bool(self._commands)
+        if busy and silent_s > stall_s:
+            raise EngineDeadError(f"the engine finished no step in {silent_s:.1f} s (limit {stall_s} s)")
+
     # -- asyncio API -------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        if self._live >= self.capacity:
+            raise EngineOverloadedError(f"{self._live} requests are in this engine (max_num_seqs + max_waiting = "
+                                        f"{self.capacity}); retry later")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -128,14 +161,21 @@ class AsyncLLMEngine:
         grammar = None
         if params is not None and params.structured_output is not None:  # compiling may take seconds:
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params.structured_output)  # not in a step
+        refused = False  # the engine raised at add_request: nothing of ours to abort (the id may be another's)
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params, grammar)
+            nonlocal refused
+            try:
+                engine.add_request(request_id, prompt, params, grammar)
+            except BaseException:
+                refused = True
+                raise
             self._sinks[request_id] = sink
 
-        await self.run_at_step_boundary(add)
+        self._live += 1
         finished = False
         try:
+            await self.run_at_step_boundary(add)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -146,7 +186,10 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished:  # consumer went away (aclose, cancellation, error): free the blocks now
+            self._live -= 1
+            # Consumer went away (aclose, cancellation, error): free the blocks now. Cancelled while
+            # the add was still queued, the abort queues behind it (commands run in order).
+            if not finished and not refused:
                 self._post((lambda engine: self._abort(request_id), None, None))
 
     async def apply(self, action: MorphAction) -> ActionResult:
@@ -199,6 +242,7 @@ class AsyncLLMEngine:
             self._cond.notify()
 
     def _run(self) -> None:
+        stepped = False
         try:
             while True:
                 with self._cond:
@@ -213,8 +257,13 @@ class AsyncLLMEngine:
                 self._morph_moving = self._morph_moving or bool(commands)
                 if self._has_work():
                     self._step()
+                    stepped = True
                 self._pressure = self.engine.pressure()
                 self._morph_state = self.engine.morph_state()
+                self._heartbeat = time.monotonic()
+                if stepped and not self._has_work():  # busy -> idle: hand the batch's freed heap back
+                    release_free_heap()
+                    stepped = False
         except BaseException as e:  # a bug in the loop itself: nothing can be served any more
             logger.exception("engine loop died")
             self._dead = e

@@ -40,10 +40,19 @@ def ray_cluster(include_dashboard: bool = False) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
-    ray.init(address="local", num_cpus=2, include_dashboard=include_dashboard, _node_ip_address="127.0.0.1",
-             _metrics_export_port=free_port(), log_to_driver=False,
-             # Replicas push metrics to the agent every 2 s instead of 10 s: tests see them sooner.
-             _system_config={"metrics_report_interval_ms": 2000})
+    for attempt in range(3):
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=include_dashboard, _node_ip_address="127.0.0.1",
+                     _metrics_export_port=free_port(), log_to_driver=False,
+                     # Replicas push metrics to the agent every 2 s instead of 10 s: tests see them sooner.
+                     _system_config={"metrics_report_interval_ms": 2000})
+            break
+        except Exception as e:  # noqa: BLE001
+            # Ray gives its raylet 30 s to come up (fixed in ray/_private/node.py); on a machine whose
+            # cores are oversubscribed many times over, its agents import slower than that.
+            ray.shutdown()
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
     try:
         yield ray
     finally:

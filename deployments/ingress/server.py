@@ -213,7 +213,9 @@ class IngressServer:
         return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
 
     async def detokenize(self, body: p.DetokenizeRequest) -> dict:
-        await self.checked_model(body.model)
+        info = await self.checked_model(body.model)
+        if any(not 0 <= t < info.vocab_size for t in body.tokens):  # found by tests/test_fuzz_api.py
+            raise HTTPError(400, f"tokens must be in [0, {info.vocab_size})", param="tokens")
         return {"prompt": await self.engine.detokenize(body.tokens)}
 
     async def health(self) -> Response:

@@ -1,0 +1,70 @@
+"""Soak traffic: worker threads that send short chat requests while active, and record every one."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from ops.soak_record import RequestRecord
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+         timeout_s: float = 120.0) -> tuple[int, Any]:
+    """(status, parsed JSON or text); (0, reason) when there is no answer."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+        return 0, str(err)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+class Traffic:
+    def __init__(self, url: str, workers: int, max_tokens: int, timeout_s: float = 300.0):
+        self.url, self.max_tokens, self.timeout_s = url, max_tokens, timeout_s
+        self.records: list[RequestRecord] = []
+        self.replica_kills: list[float] = []
+        self._active, self._stop = threading.Event(), threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def set_active(self, on: bool) -> None:
+        (self._active.set if on else self._active.clear)()
+
+    def mark_replica_kill(self, at: float) -> None:
+        self.replica_kills.append(at)
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            if not self._active.wait(0.5):
+                continue
+            body = {"model": MODEL, "max_tokens": self.max_tokens, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"Tell me a story about the number {worker * 100000 + i}."}]}
+            start = time.monotonic()
+            status, _ = http("POST", self.url + "/v1/chat/completions", body, timeout_s=self.timeout_s)
+            self.records.append(RequestRecord(start, time.monotonic(), status))
+            i += 1
+            if status == 503:
+                self._stop.wait(1.0)  # honour Retry-After (the app sends 1 s)
+
+    def stop(self) -> list[RequestRecord]:
+        self._stop.set()
+        self._active.set()
+        for t in self._threads:
+            t.join(self.timeout_s + 10)
+        return list(self.records)
