@@ -7,11 +7,16 @@ metrics, and tries the controller again on the next report, re-resolving the act
 here raises into the serving path.
 
 The local fallback applies the mode cap but not the fleet budget (only the controller knows the
-other replicas); when the controller is back it reclaims layers above this replica's share.
+other replicas); when the controller is back it reclaims layers above this replica's share. It asks
+to scale out under the same rule as the controller (at the cap for `scale_out_after_s`).
+
+`use_controller=False` (the app's `fleet_controller: false`) never contacts a controller: every
+replica runs its own policy, as a fleet without the controller would.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +25,7 @@ from controller.directive import Directive
 from controller.fleet import DEFAULT_NAME, DEFAULT_NAMESPACE
 from controller.policy import PolicyRunner
 from controller.policy_config import FleetConfig, PolicyConfig
+from controller.saturation import SaturationTimer, is_saturated
 from engine.morph.actions import MorphState
 from engine.pressure import PressureSnapshot
 
@@ -29,9 +35,11 @@ log = logging.getLogger(__name__)
 class ControllerClient:
     def __init__(self, replica_id: str, config: PolicyConfig | None = None, *, name: str = DEFAULT_NAME,
                  namespace: str = DEFAULT_NAMESPACE, timeout_s: float = 0.5,
-                 create_with: FleetConfig | None = None, resolve: Callable[[], Any] | None = None):
+                 create_with: FleetConfig | None = None, resolve: Callable[[], Any] | None = None,
+                 use_controller: bool = True):
         """`create_with`: start the controller with this config if none is running (else only look it
-        up by name). `resolve`: returns an actor handle; replaces the Ray lookup (tests)."""
+        up by name). `resolve`: returns an actor handle; replaces the Ray lookup (tests).
+        `use_controller=False`: decide locally, always."""
         if not replica_id:
             raise ValueError("replica_id must be a non-empty string (e.g. the Serve replica's id)")
         if timeout_s <= 0:
@@ -41,6 +49,8 @@ class ControllerClient:
         self._name, self._namespace, self._create_with = name, namespace, create_with
         self._resolve = resolve or self._resolve_by_name
         self._runner = PolicyRunner(config or (create_with.policy if create_with else PolicyConfig()))
+        self._saturation = SaturationTimer((create_with or FleetConfig()).scale_out_after_s)
+        self.use_controller = use_controller
         self._handle: Any = None
         self._reachable = False  # until the controller first answers
         self.last_directive: Directive | None = None
@@ -58,6 +68,9 @@ class ControllerClient:
             self._runner.observe(snapshot)
         except Exception:  # a malformed snapshot must not reach the serving path either
             log.exception("could not record a pressure snapshot")
+        if not self.use_controller:
+            self.last_directive = self._local(morph_state)
+            return self.last_directive
         try:
             directive = await asyncio.wait_for(self._ask(snapshot, morph_state), self.timeout_s)
             if not isinstance(directive, Directive):
@@ -101,7 +114,12 @@ class ControllerClient:
 
     def _local(self, morph_state: MorphState) -> Directive:
         try:
-            return self._runner.decide(morph_state)
+            directive = self._runner.decide(morph_state)
+            history, config = self._runner.history, self._runner.config
+            latest = history[-1] if history else None
+            scale_out = self._saturation.update(is_saturated(latest, morph_state, config), directive.scale_out,
+                                                latest.time if latest else 0.0)
+            return dataclasses.replace(directive, scale_out=scale_out)
         except Exception as e:  # a bug in the policy must not take the replica down: hold still
             log.exception("local policy failed; holding the current morph state")
             return Directive(target_quantized=morph_state.num_quantized,

@@ -31,6 +31,9 @@ def build_app(args: dict[str, Any] | None = None):
     scaling: dict[str, Any] = ({"autoscaling_config": with_morph_policy(parsed.autoscaling_config)}
                                if parsed.autoscaling_config is not None
                                else {"num_replicas": parsed.num_replicas or 1})
+    router = parsed.request_router_config()
+    if router is not None:
+        scaling["request_router_config"] = router
     engine = serve.deployment(LLMServer).options(
         name=ENGINE_NAME, max_ongoing_requests=parsed.max_ongoing_requests,
         max_queued_requests=parsed.max_queued_requests,

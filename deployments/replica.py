@@ -19,11 +19,12 @@ from ray import serve
 
 from controller.client import ControllerClient
 from deployments.app_args import AppArgs
-from deployments.autoscaling import KV_USAGE_METRIC, SCALE_OUT_METRIC, WAITING_METRIC
+from deployments.autoscaling import KV_USAGE_METRIC, QUANTIZED_METRIC, SCALE_OUT_METRIC, WAITING_METRIC
 from deployments.engine_client import (AdminUpdate, EngineErrorInfo, GenerateChunk, GenerateRequest, ModelInfo,
                                        chunk_from_output, error_info_from_exception, stream_with_error_chunks)
 from deployments.metrics import ServeMetrics
 from deployments.morph_loop import MorphLoop
+from deployments.router import ReplicaLoad
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ class LLMServer:
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
         self.config = config = self.args.engine_config(resolve_device(self.args.device))
+        self.block_size = config.block_size
         started = time.monotonic()
         # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
@@ -60,7 +62,7 @@ class LLMServer:
         self.metrics = ServeMetrics(self.engine.model_name)
         client = ControllerClient(self.replica_id, self.args.policy_config(), name=self.args.controller_name,
                                   namespace=self.args.controller_namespace, timeout_s=self.args.controller_timeout_s,
-                                  create_with=self.args.fleet_config())
+                                  create_with=self.args.fleet_config(), use_controller=self.args.fleet_controller)
         self.morph_loop = MorphLoop(self.engine, client, self.metrics, interval_s=self.args.report_interval_s,
                                     max_layers_per_step=self.args.max_layers_per_step, ladder=config.ladder)
         self.morph_loop.start()
@@ -153,7 +155,15 @@ class LLMServer:
         last = self.morph_loop.last
         snapshot = self.engine.pressure()
         return {SCALE_OUT_METRIC: 1.0 if last is not None and last.directive.scale_out else 0.0,
+                QUANTIZED_METRIC: float(self.engine.morph_state().num_quantized),
                 WAITING_METRIC: float(snapshot.num_waiting), KV_USAGE_METRIC: float(snapshot.kv_usage)}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the pressure-aware router (deployments/router.py) reads: free KV blocks now."""
+        snapshot = self.engine.pressure()
+        return ReplicaLoad(free_blocks=snapshot.kv_capacity_blocks - snapshot.kv_used_blocks,
+                           num_waiting=snapshot.num_waiting, block_size=self.block_size,
+                           taken_at=time.time()).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.
