@@ -6,8 +6,10 @@ same policy over its own history (`Directive.source == "local"`), sets `reachabl
 metrics, and tries the controller again on the next report, re-resolving the actor by name. Nothing
 here raises into the serving path.
 
-The local fallback applies the mode cap but not the fleet budget (only the controller knows the
-other replicas); when the controller is back it reclaims layers above this replica's share. It asks
+The local fallback applies the mode cap and the last fleet grant the controller gave this replica
+(it cannot know the others' demand, so it never takes more than that share); when the controller is
+back it moves the budget again. (Past `replica_timeout_s` of silence the controller hands a silent
+replica's share to others: a replica cut off from the controller yet alive can then overlap them.) It asks
 to scale out under the same rule as the controller (at the cap for `scale_out_after_s`).
 
 `use_controller=False` (the app's `fleet_controller: false`) never contacts a controller: every
@@ -54,6 +56,7 @@ class ControllerClient:
         self._handle: Any = None
         self._reachable = False  # until the controller first answers
         self.last_directive: Directive | None = None
+        self.last_grant: int | None = None  # the controller's latest fleet share for this replica
         self.last_error: str | None = None
         self.fallbacks = 0  # reports answered by the local policy
 
@@ -79,7 +82,7 @@ class ControllerClient:
             self._on_failure(e)
             directive = self._local(morph_state)
         else:
-            self._reachable, self.last_error = True, None
+            self._reachable, self.last_error, self.last_grant = True, None, directive.grant
             if directive.mode != self._runner.config.mode:  # follow a fleet-wide set_mode in the fallback too
                 self._runner.set_config(self._runner.config.with_mode(directive.mode))
         self.last_directive = directive
@@ -114,10 +117,11 @@ class ControllerClient:
 
     def _local(self, morph_state: MorphState) -> Directive:
         try:
-            directive = self._runner.decide(morph_state)
+            directive = self._runner.decide(morph_state, cap=self.last_grant)
             history, config = self._runner.history, self._runner.config
             latest = history[-1] if history else None
-            scale_out = self._saturation.update(is_saturated(latest, morph_state, config), directive.scale_out,
+            scale_out = self._saturation.update(is_saturated(latest, morph_state, config, self.last_grant),
+                                                directive.scale_out,
                                                 latest.time if latest else 0.0)
             return dataclasses.replace(directive, scale_out=scale_out)
         except Exception as e:  # a bug in the policy must not take the replica down: hold still

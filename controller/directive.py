@@ -19,6 +19,7 @@ class Directive:
     reason: str  # one line for logs and status(): why this target
     source: DirectiveSource  # "controller": the fleet answered; "local": the replica's fallback
     scale_out: bool = False  # sustained pressure with no morph headroom left: more replicas would help
+    grant: int | None = None  # the fleet budget's share for this replica (None: no fleet cap / local)
 
     def __post_init__(self) -> None:
         if self.target_quantized < 0:
@@ -45,4 +46,4 @@ class Directive:
 
     def summary(self) -> dict:
         return {"target_quantized": self.target_quantized, "precision": self.precision.value, "mode": self.mode,
-                "reason": self.reason, "source": self.source, "scale_out": self.scale_out}
+                "reason": self.reason, "source": self.source, "scale_out": self.scale_out, "grant": self.grant}

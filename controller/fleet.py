@@ -93,7 +93,8 @@ class FleetController:
                                            directive.scale_out, view.history[-1].time)
         if directive.scale_out and not scale_out:
             reason += f" [at the cap for {view.at_cap_for():.1f} s of {self._config.scale_out_after_s:g} s before scale-out]"
-        directive = dataclasses.replace(directive, source="controller", reason=reason, scale_out=scale_out)
+        directive = dataclasses.replace(directive, source="controller", reason=reason, scale_out=scale_out,
+                                        grant=view.grant)
         view.directive = directive
         self._export(replica_id, view)
         return directive

@@ -231,6 +231,35 @@ def test_client_falls_back_locally_and_retries_by_name():
     assert client._runner.config.mode == "performance"
 
 
+def test_the_local_fallback_keeps_to_the_last_fleet_grant_and_waits_before_asking_to_scale_out():
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=2, scale_out_after_s=0.0), clock=FakeClock())
+
+    async def answer(*args):
+        return fleet.report(*args)
+
+    async def die(*args):
+        raise RuntimeError("controller gone")
+
+    handles = iter([FakeHandle(*[answer] * 6, die), FakeHandle(*[die] * 20)])
+    client = ControllerClient("r1", PolicyConfig(), timeout_s=0.05, resolve=lambda: next(handles),
+                              create_with=FleetConfig(scale_out_after_s=2.0))
+    replica = FakeReplica("r1", 0.99, 0.5)
+
+    async def run(rounds: int) -> list[Directive]:
+        out = []
+        for _ in range(rounds):
+            out.append(await client.report(replica.snapshot(), replica.state))
+            replica.apply(out[-1])
+        return out
+
+    answered = asyncio.run(run(6))
+    assert answered[-1].source == "controller" and answered[-1].grant == 2 and replica.state.num_quantized == 2
+    local = asyncio.run(run(12))  # 3 s of pressure at the grant, on the local policy alone
+    assert all(d.source == "local" for d in local) and replica.state.num_quantized == 2  # not the mode cap (6)
+    asked = [d.scale_out for d in local]
+    assert not asked[0] and asked[-1]  # only after scale_out_after_s (2 s) at the cap
+
+
 def test_client_without_ray_never_raises():
     client = ControllerClient("r1", PolicyConfig(), name="nobody-here", timeout_s=0.2)
     replica = FakeReplica("r1", 0.99, 0.5)
