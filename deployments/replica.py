@@ -31,6 +31,7 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("morphserve.replica")
 HEALTH_TIMEOUT_S = 10.0
+STEP_METRICS_INTERVAL_S = 1.0
 
 
 def resolve_device(wanted: str) -> str:
@@ -59,13 +60,14 @@ class LLMServer:
         self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
         self.load_seconds = time.monotonic() - started
         self.created = int(time.time())
-        self.metrics = ServeMetrics(self.engine.model_name)
+        self.metrics = ServeMetrics(self.engine.model_name, max_model_len=self.engine.max_model_len)
         client = ControllerClient(self.replica_id, self.args.policy_config(), name=self.args.controller_name,
                                   namespace=self.args.controller_namespace, timeout_s=self.args.controller_timeout_s,
                                   create_with=self.args.fleet_config(), use_controller=self.args.fleet_controller)
         self.morph_loop = MorphLoop(self.engine, client, self.metrics, interval_s=self.args.report_interval_s,
                                     max_layers_per_step=self.args.max_layers_per_step, ladder=config.ladder)
         self.morph_loop.start()
+        self._step_metrics = asyncio.get_running_loop().create_task(self._export_step_stats())
         log.info("replica %s serves %s (loaded in %.1f s)", self.replica_id, self.engine.model_name, self.load_seconds)
 
     # -- EngineClient methods (called through the DeploymentHandle) --------------------------
@@ -150,6 +152,15 @@ class LLMServer:
         last = self.morph_loop.last
         return self.morph_loop.pins.mode or (last.directive.mode if last else self.args.mode)
 
+    async def _export_step_stats(self) -> None:
+        """Per-step records into the iteration histograms, once a second (the log is bounded)."""
+        while True:
+            await asyncio.sleep(STEP_METRICS_INTERVAL_S)
+            try:
+                self.metrics.observe_steps(self.engine.drain_step_stats())
+            except Exception:  # metrics never take the replica down
+                log.exception("could not export step metrics")
+
     # -- Ray Serve hooks ---------------------------------------------------------------------
     def record_autoscaling_stats(self) -> dict[str, float]:
         last = self.morph_loop.last
@@ -169,5 +180,7 @@ class LLMServer:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.
         if getattr(self, "morph_loop", None) is not None:
             self.morph_loop.cancel()
+        if getattr(self, "_step_metrics", None) is not None:
+            self._step_metrics.cancel()
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown(timeout_s=10.0)

@@ -31,6 +31,7 @@ from typing import Any, Hashable
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
 ROUTER_IMPORT_PATH = "deployments.router:PressureAwareRouter"
+DECISIONS_METRIC = "morphserve_router_decisions"  # counter, tag `decision`
 STATS_KIND = "morphserve-kv"  # marks stats this router understands
 Decision = str  # "admits" | "kv_full" | "stale" | "other_call"
 
@@ -113,8 +114,7 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
                 from deployments.metrics import default_backend
 
                 self._decisions = default_backend().counter(
-                    "morphserve_router_decisions", "Engine-replica routing decisions of the pressure-aware router",
-                    ("decision",))
+                    DECISIONS_METRIC, "Engine-replica routing decisions of the pressure-aware router", ("decision",))
             self._decisions.inc(1, {"decision": decision})
         except Exception:  # metrics must never break routing
             pass
