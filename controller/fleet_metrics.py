@@ -14,7 +14,6 @@ PREFIX = "morphserve_fleet_"
 
 class GaugeBackend(Protocol):
     def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any: ...
-    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any: ...
 
 
 class RayUtilBackend:
@@ -23,10 +22,6 @@ class RayUtilBackend:
     def gauge(self, name, description, tag_keys):
         from ray.util.metrics import Gauge
         return Gauge(name, description=description, tag_keys=tag_keys)
-
-    def counter(self, name, description, tag_keys):
-        from ray.util.metrics import Counter
-        return Counter(name, description=description, tag_keys=tag_keys)
 
 
 class FleetMetrics:
@@ -42,7 +37,11 @@ class FleetMetrics:
         self.score = b.gauge(PREFIX + "pressure_score", "Mean pressure score over the entry window (1 = threshold)", r)
         self.saturated = b.gauge(PREFIX + "saturated_seconds", "How long this replica has been at its cap under pressure", r)
         self.scale_out = b.gauge(PREFIX + "scale_out", "1 while this replica's directive asks for another replica", r)
-        self.forgotten = b.counter(PREFIX + "forgotten_replicas", "Replicas dropped after replica_timeout_s of silence", ())
+        # A gauge, not a counter: Ray exports a counter only after its first increment, and a
+        # dashboard query on a series that never appears cannot be checked.
+        self.forgotten = b.gauge(PREFIX + "forgotten_replicas", "Replicas dropped after replica_timeout_s of silence, "
+                                 "since this controller started", ())
+        self._forgotten = 0
         self._per_replica = (self.grant, self.held, self.target, self.score, self.saturated, self.scale_out)
 
     def set_replica(self, replica_id: str, *, grant: int, held: int, target: int, score: float,
@@ -54,7 +53,8 @@ class FleetMetrics:
     def forget(self, replica_id: str) -> None:
         for gauge in self._per_replica:
             gauge.set(0.0, {"replica": replica_id})
-        self.forgotten.inc(1.0, {})
+        self._forgotten += 1
+        self.forgotten.set(float(self._forgotten), {})
 
     def set_fleet(self, *, budget: int | None, used: int, replicas: int, extra: int) -> None:
         if budget is not None:
@@ -62,3 +62,4 @@ class FleetMetrics:
         self.budget_used.set(float(used), {})
         self.replicas.set(float(replicas), {})
         self.extra.set(float(extra), {})
+        self.forgotten.set(float(self._forgotten), {})

@@ -100,8 +100,8 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
           and _sum(http("GET", agent)[1], "ray_morphserve_fleet_budget_layers", "") == BUDGET, 60,
           "router decisions and fleet gauges in the exported metrics", every_s=1.0)
     text = http("GET", agent)[1]
-    for replica_id in names:
-        assert _sum(text, "ray_morphserve_generation_tokens_total", f'replica="{replica_id}"') > 0, replica_id
+    for replica_id in names:  # the engine replicas record each request's queue time
+        assert _sum(text, "ray_morphserve_request_queue_time_seconds_count", f'replica="{replica_id}"') > 0, replica_id
 
 
 def _sum(text: str, name: str, label: str) -> float:

@@ -38,8 +38,8 @@ def fleet_control_row() -> Row:
             f"{FLEET}scale_out", "replica", agg="max", sel=FLEET_SEL), per_replica),), stacked=True),
         Panel("Replicas in the controller's view / forgotten", (
             Query(f"max({FLEET}replicas{{{CLUSTER_SEL}}})", "reporting"),
-            Query(f"sum(increase({FLEET}forgotten_replicas_total{{{CLUSTER_SEL}}}[$__rate_interval]))",
-                  "forgotten (silent for replica_timeout_s)"))),
+            Query(f"max({FLEET}forgotten_replicas{{{CLUSTER_SEL}}})",
+                  "forgotten since the controller started (silent for replica_timeout_s)"))),
         Panel("Router decisions", (Query(rate(
             "ray_morphserve_router_decisions_total", "decision", sel=APP_SEL), "{{decision}}"),),
             description="admits: some replica's free KV admits the request now (shortest queue among them); "
