@@ -1,8 +1,8 @@
 """StepStats: what one engine step ran (tokens by phase, model time), for the iteration metrics.
 
-The engine appends one record per model step to a bounded StepLog; the serving layer drains it now
-and then into histograms (`iteration_tokens_total`, step time by phase). Bounded, so a replica
-nobody drains never grows; the oldest records go first.
+`LLMEngine.step()` returns one in its StepResult; the AsyncLLMEngine keeps the recent ones in a
+bounded StepLog that the serving layer drains now and then into histograms (`iteration_tokens_total`,
+step time by phase). Bounded, so a replica nobody drains never grows; the oldest records go first.
 """
 from __future__ import annotations
 
