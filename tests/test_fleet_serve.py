@@ -94,14 +94,11 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
     assert max(held(v) for v in views) == BUDGET  # never above it, at any sample
     assert all((v["totals"]["granted_layers"] or 0) <= BUDGET for v in views)
     assert all(len(v["replicas"]) == 2 for v in views), sorted({len(v["replicas"]) for v in views})
-    # Both replicas served (the router spread the burst) and its decisions are in the metrics.
+    # The router's decisions and the fleet gauges reach Ray's metrics export.
     agent = f"http://127.0.0.1:{metrics_export_port(ray)}/metrics"
     until(lambda: _sum(http("GET", agent)[1], "ray_morphserve_router_decisions_total", 'decision="admits"') > 0
           and _sum(http("GET", agent)[1], "ray_morphserve_fleet_budget_layers", "") == BUDGET, 60,
           "router decisions and fleet gauges in the exported metrics", every_s=1.0)
-    text = http("GET", agent)[1]
-    for replica_id in names:  # the engine replicas record each request's queue time
-        assert _sum(text, "ray_morphserve_request_queue_time_seconds_count", f'replica="{replica_id}"') > 0, replica_id
 
 
 def _sum(text: str, name: str, label: str) -> float:
