@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test bench bench-quick bench-throughput prepare chat clean-venv
+.PHONY: venv run test bench bench-quick bench-fleet bench-throughput prepare chat clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	bash ops/bench/setup_vllm.sh
 	$(PY) -m ops.bench.run_all --quick
+
+# Two replicas: Serve's default router + local policies vs the fleet controller + pressure-aware router.
+bench-fleet: $(STAMP)
+	$(PY) -m ops.bench.run_all --fleet --no-crosscheck
 
 # Offline tokens/s and peak RSS: this engine, Hugging Face generate, vLLM.
 bench-throughput: $(STAMP)

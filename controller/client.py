@@ -27,7 +27,7 @@ from controller.directive import Directive
 from controller.fleet import DEFAULT_NAME, DEFAULT_NAMESPACE
 from controller.policy import PolicyRunner
 from controller.policy_config import FleetConfig, PolicyConfig
-from controller.saturation import SaturationTimer, is_saturated
+from controller.saturation import SaturationTimer, compute_bound, is_saturated
 from engine.morph.actions import MorphState
 from engine.pressure import PressureSnapshot
 
@@ -120,8 +120,8 @@ class ControllerClient:
             directive = self._runner.decide(morph_state, cap=self.last_grant)
             history, config = self._runner.history, self._runner.config
             latest = history[-1] if history else None
-            scale_out = self._saturation.update(is_saturated(latest, morph_state, config, self.last_grant),
-                                                directive.scale_out,
+            saturated = is_saturated(latest, morph_state, config, self.last_grant, compute_bound(directive))
+            scale_out = self._saturation.update(saturated, directive.scale_out,
                                                 latest.time if latest else 0.0)
             return dataclasses.replace(directive, scale_out=scale_out)
         except Exception as e:  # a bug in the policy must not take the replica down: hold still

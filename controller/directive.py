@@ -18,8 +18,20 @@ class Directive:
     mode: str  # the policy mode that produced it
     reason: str  # one line for logs and status(): why this target
     source: DirectiveSource  # "controller": the fleet answered; "local": the replica's fallback
-    scale_out: bool = False  # sustained pressure with no morph headroom left: more replicas would help
-    grant: int | None = None  # the fleet budget's share for this replica (None: no fleet cap / local)
+    # Sustained pressure that morphing cannot relieve (at the cap, or queueing for compute), held for
+    # scale_out_after_s where the fleet or the client's fallback decides: more replicas would help.
+    scale_out: bool = False
+    # The fleet budget's share for this replica, as the fleet's `_allowance` computed it (None: no fleet
+    # cap, or the local fallback). An input to max_quantized, kept for status and metrics.
+    grant: int | None = None
+    # The effective bound: max(min(mode cap, grant), layers the budget forces) (policy.morph_cap of the
+    # same grant). It bounds the engine's own admission-time morphs until the next directive.
+    max_quantized: int | None = None
+    reservation_factor: float = 1.0  # output reservation multiplier (SLO feedback; 1 = the engine's config)
+    waiting_for: str = "none"  # what queued requests waited for at the last report: none | memory | compute | unknown
+    slo_level: float | None = None  # SLO feedback level in [0, 1]; None when no SLO is set
+    enter_kv_usage: float | None = None  # the entry thresholds this decision used (SLO feedback moves them)
+    enter_queue_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.target_quantized < 0:
@@ -46,4 +58,7 @@ class Directive:
 
     def summary(self) -> dict:
         return {"target_quantized": self.target_quantized, "precision": self.precision.value, "mode": self.mode,
-                "reason": self.reason, "source": self.source, "scale_out": self.scale_out, "grant": self.grant}
+                "reason": self.reason, "source": self.source, "scale_out": self.scale_out,
+                "grant": self.grant, "max_quantized": self.max_quantized, "reservation_factor": round(self.reservation_factor, 4),
+                "waiting_for": self.waiting_for, "slo_level": self.slo_level,
+                "enter_kv_usage": self.enter_kv_usage, "enter_queue_delay_s": self.enter_queue_delay_s}

@@ -26,7 +26,8 @@ from controller.directive import Directive
 from controller.fleet_metrics import FleetMetrics, GaugeBackend
 from controller.policy import current_target, decide, morph_cap, pressure_score
 from controller.policy_config import FleetConfig
-from controller.saturation import SaturationTimer, is_saturated
+from controller.saturation import SaturationTimer, compute_bound, is_saturated
+from controller.slo import SloState, tune, tuning_for
 from engine.errors import InvalidRequestError
 from engine.morph.actions import MorphState
 from engine.pressure import PressureSnapshot
@@ -45,6 +46,7 @@ class ReplicaView:
     directive: Directive | None = None
     grant: int | None = None  # its share of the fleet budget at the last report (None: no fleet cap)
     reports: int = 0
+    slo: SloState = dataclasses.field(default_factory=SloState)  # SLO feedback (controller/slo.py)
 
     def at_cap_for(self) -> float:
         return self.saturation.held_for(self.history[-1].time) if self.history else 0.0
@@ -73,26 +75,34 @@ class FleetController:
         if not isinstance(replica_id, str) or not replica_id:
             raise InvalidRequestError("replica_id must be a non-empty string", param="replica_id")
         now = self._clock()
-        self._forget_silent(now)
         view = self._replicas.get(replica_id)
         if view is None:
             view = ReplicaView(collections.deque(maxlen=self._config.policy.history_len), morph_state, now,
                                SaturationTimer(self._config.scale_out_after_s))
             self._replicas[replica_id] = view
+        # Refreshed before forgetting the silent: a replica whose steps are slower than the timeout
+        # reports rarely but is alive, and must keep its history (else no window ever fills).
+        view.last_report = now
+        self._forget_silent(now)
+        policy = self._config.policy
         if not view.history or snapshot.time > view.history[-1].time:  # drop late retries / duplicates
             view.history.append(snapshot)
-        view.state, view.last_report, view.reports = morph_state, now, view.reports + 1
+            view.slo = tune(view.slo, snapshot.ttft_recent_p95_s, policy.slo)
+        view.state, view.reports = morph_state, view.reports + 1
+        # One owner of the share: the fleet's allowance. The policy derives the directive's bound
+        # (max_quantized) from this same grant, so the engine's admission-time morphs obey it too.
         view.grant = self._allowance(replica_id, self._grants().get(replica_id))
-        policy = self._config.policy
-        directive = decide(view.history, view.state, policy, cap=view.grant)
+        tuning = tuning_for(view.slo, policy.active, policy.slo) if policy.slo.slo_ttft_s else None
+        directive = decide(view.history, view.state, policy, cap=view.grant, tuning=tuning)
         reason = directive.reason
         if view.grant is not None and view.grant < morph_cap(view.state, policy):
             reason += f" [fleet budget grants this replica {view.grant} layer(s)]"
-        # The policy asks as soon as it is at its cap under pressure; the fleet waits scale_out_after_s.
-        scale_out = view.saturation.update(is_saturated(view.history[-1], view.state, policy, view.grant),
-                                           directive.scale_out, view.history[-1].time)
+        # The policy asks as soon as it is saturated (at its cap, or compute-bound) under pressure; the
+        # fleet waits scale_out_after_s of it (SaturationTimer).
+        saturated = is_saturated(view.history[-1], view.state, policy, view.grant, compute_bound(directive))
+        scale_out = view.saturation.update(saturated, directive.scale_out, view.history[-1].time)
         if directive.scale_out and not scale_out:
-            reason += f" [at the cap for {view.at_cap_for():.1f} s of {self._config.scale_out_after_s:g} s before scale-out]"
+            reason += f" [saturated for {view.at_cap_for():.1f} s of {self._config.scale_out_after_s:g} s before scale-out]"
         directive = dataclasses.replace(directive, source="controller", reason=reason, scale_out=scale_out,
                                         grant=view.grant)
         view.directive = directive
@@ -199,11 +209,17 @@ def _replica_summary(view: ReplicaView, now: float) -> dict:
         "last_snapshot": {"time": s.time, "step": s.step, "kv_usage": round(s.kv_usage, 4),
                           "kv_capacity_blocks": s.kv_capacity_blocks, "num_running": s.num_running,
                           "num_waiting": s.num_waiting, "queue_delay_s": s.queue_delay_s,
-                          "throughput_tok_s": s.throughput_tok_s, "preemptions_total": s.preemptions_total},
+                          "throughput_tok_s": s.throughput_tok_s, "preemptions_total": s.preemptions_total,
+                          "waiting_for": s.waiting_for, "waiting_demand_blocks": s.waiting_demand_blocks,
+                          "available_blocks": s.available_blocks, "ttft_recent_p95_s": s.ttft_recent_p95_s,
+                          "admission_swaps_total": s.admission_swaps_total,
+                          "admission_layers_total": s.admission_layers_total,
+                          "admission_restores_total": s.admission_restores_total},
+        "slo": {"level": round(view.slo.level, 4), "last_ratio": view.slo.last_ratio},
         "morph_state": {"num_layers": len(st.layer_precisions), "num_quantized": st.num_quantized,
                         "precisions": [p.value for p in st.layer_precisions],
                         "swap_order_source": st.swap_order_source, "pending": len(st.pending),
-                        "morphing_enabled": st.morphing_enabled},
+                        "morphing_enabled": st.morphing_enabled, "forced_quantized": st.forced_quantized},
         "directive": view.directive.summary() if view.directive else None,
         "seconds_since_report": round(now - view.last_report, 3),
         "reports": view.reports,

@@ -10,7 +10,20 @@ hand-built records and runs the same inside the fleet controller and as a replic
 A step down (more quantized layers) needs `enter_after` pressured snapshots in a row, a step back
 `relax_after` relaxed ones, and either window must lie wholly *after* the last morph the replica
 made (seen as a change in committed KV blocks): the policy looks at the effect of its previous step
-before taking another, which together with the gap between the two bands is the hysteresis.
+before taking another, which together with the gap between the two bands is the hysteresis. A queue
+delay of `queue_delay_sustained_s` or more is sustained by itself: the oldest request has waited that
+long, however few reports saw it (a replica whose steps are slow reports rarely).
+
+This is the slower, sampled path. The engine morphs at admission on its own (engine/morph/admission.py)
+within `Directive.max_quantized`, which every directive carries.
+
+Why requests queue decides what helps (the snapshot's `waiting_for`):
+  memory  (the head's KV demand does not fit): morph, that is what morphing fixes;
+  compute (it would fit; the step's token budget holds it back): morph only while the batch is small
+          enough that quantized layers decode faster here (`quantized_faster_max_batch`), else hold and
+          ask for another replica (scale_out), with the reason saying so.
+The cap is never below what the budget forces (`MorphState.forced_quantized`): a replica that had to
+start with layers swapped is not told to restore what it cannot.
 """
 from __future__ import annotations
 
@@ -19,6 +32,7 @@ from collections.abc import Sequence
 
 from controller.directive import Directive
 from controller.policy_config import ActiveMode, PolicyConfig
+from controller.slo import SloState, SloTuning, tune, tuned_mode, tuning_for
 from engine.morph.actions import MorphState, SetQuantizedTarget
 from engine.pressure import PressureSnapshot
 
@@ -55,21 +69,42 @@ def current_target(state: MorphState) -> int:
 
 
 def morph_cap(state: MorphState, config: PolicyConfig, cap: int | None = None) -> int:
-    """Most layers this replica may quantize: the mode's share of its depth, and the fleet's grant."""
+    """Most layers this replica may quantize: the mode's share of its depth and the fleet's grant,
+    but never fewer than its budget forces (those it cannot restore)."""
     limit = config.active.cap_layers(len(state.layer_precisions)) if state.layer_precisions else 0
-    return limit if cap is None else min(limit, max(0, cap))
+    limit = limit if cap is None else min(limit, max(0, cap))
+    return max(limit, state.forced_quantized)
+
+
+def pressure_sustained(history: Sequence[PressureSnapshot], config: PolicyConfig, mode: ActiveMode) -> bool:
+    if sustained(history, config.enter_after, lambda s: is_pressured(s, mode)):
+        return True
+    last = history[-1] if history else None
+    return last is not None and last.queue_delay_s >= max(config.queue_delay_sustained_s, mode.enter_queue_delay_s)
+
+
+def waiting_cause(s: PressureSnapshot, mode: ActiveMode) -> str:
+    """memory | compute | none | unknown: why the replica is pressured (KV usage counts as memory)."""
+    if s.kv_usage >= mode.enter_kv_usage:
+        return "memory"
+    return s.waiting_for
 
 
 def decide(history: Sequence[PressureSnapshot], state: MorphState, config: PolicyConfig,
-           cap: int | None = None) -> Directive:
-    """The directive for one replica. `cap` is an extra limit (the fleet's accuracy budget share)."""
-    mode = config.active
+           cap: int | None = None, tuning: SloTuning | None = None) -> Directive:
+    """The directive for one replica. `cap` is an extra limit (the fleet's accuracy budget share);
+    `tuning` the replica's SLO-feedback thresholds (controller/slo.py)."""
+    mode = tuned_mode(config.active, tuning)
     limit = morph_cap(state, config, cap)
     current = current_target(state)
+    cause = waiting_cause(history[-1], mode) if history else "none"
 
     def directive(target: int, reason: str, scale_out: bool = False) -> Directive:
         return Directive(target_quantized=target, precision=mode.precision, mode=mode.name, reason=reason,
-                         source="local", scale_out=scale_out)
+                         source="local", scale_out=scale_out, max_quantized=limit,
+                         reservation_factor=tuning.reservation_factor if tuning else 1.0, waiting_for=cause,
+                         slo_level=tuning.level if tuning and config.slo.slo_ttft_s is not None else None,
+                         enter_kv_usage=mode.enter_kv_usage, enter_queue_delay_s=mode.enter_queue_delay_s)
 
     if not state.morphing_enabled:
         return directive(state.num_quantized, "morphing is disabled on this replica")
@@ -78,16 +113,21 @@ def decide(history: Sequence[PressureSnapshot], state: MorphState, config: Polic
     if not history:
         return directive(current, "no pressure reported yet; hold")
     last = history[-1]
-    if sustained(history, config.enter_after, lambda s: is_pressured(s, mode)):
-        signal = (f"kv usage {last.kv_usage:.2f}, queue delay {last.queue_delay_s * 1e3:.0f} ms "
-                  f"for {config.enter_after} snapshots")
+    if pressure_sustained(history, config, mode):
+        signal = (f"kv usage {last.kv_usage:.2f}, queue delay {last.queue_delay_s * 1e3:.0f} ms, "
+                  f"queueing for {cause}")
+        if cause == "compute" and last.num_running > config.quantized_faster_max_batch:
+            return directive(current, f"pressure ({signal}: the head's KV demand fits): at batch {last.num_running} "
+                                      f"quantized layers are not faster on this hardware, so morphing would not help; "
+                                      f"more replicas would", scale_out=True)
         if current >= limit:
             return directive(limit, f"pressure ({signal}) but at the cap of {limit} layers; more replicas would help",
                              scale_out=True)
         target = min(limit, current + mode.layers_per_action)
         return directive(target, f"pressure ({signal}): quantize {target - current} more layer(s)")
-    if current > 0 and sustained(history, config.relax_after, lambda s: is_relaxed(s, config)):
-        target = max(0, current - mode.layers_per_action)
+    floor = state.forced_quantized  # what the budget forces cannot be restored
+    if current > floor and sustained(history, config.relax_after, lambda s: is_relaxed(s, config)):
+        target = max(floor, current - mode.layers_per_action)
         return directive(target, f"relaxed for {config.relax_after} snapshots "
                                  f"(kv usage {last.kv_usage:.2f}): restore {current - target} layer(s)")
     return directive(current, "hold")
@@ -100,16 +140,22 @@ class PolicyRunner:
     def __init__(self, config: PolicyConfig):
         self.config = config
         self.history: collections.deque[PressureSnapshot] = collections.deque(maxlen=config.history_len)
+        self.slo = SloState()
 
     def observe(self, snapshot: PressureSnapshot) -> bool:
-        """Append a snapshot; one not newer than the last (a duplicate, a late retry) is ignored."""
+        """Append a snapshot (and feed its TTFT to the SLO feedback); one not newer than the last
+        (a duplicate, a late retry) is ignored."""
         if self.history and snapshot.time <= self.history[-1].time:
             return False
         self.history.append(snapshot)
+        self.slo = tune(self.slo, snapshot.ttft_recent_p95_s, self.config.slo)
         return True
 
+    def tuning(self) -> SloTuning | None:
+        return tuning_for(self.slo, self.config.active, self.config.slo) if self.config.slo.slo_ttft_s else None
+
     def decide(self, state: MorphState, cap: int | None = None) -> Directive:
-        return decide(self.history, state, self.config, cap)
+        return decide(self.history, state, self.config, cap, self.tuning())
 
     def step(self, snapshot: PressureSnapshot, state: MorphState, cap: int | None = None) -> Directive:
         self.observe(snapshot)

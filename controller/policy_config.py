@@ -61,6 +61,33 @@ class ActiveMode(BaseModel):
         return max(1, min(num_layers, math.floor(self.max_quantized_fraction * num_layers + 1e-9)))
 
 
+class SloFeedbackConfig(BaseModel):
+    """SLO feedback (controller/slo.py): with `slo_ttft_s` set, each replica's entry thresholds and
+    output reservation follow its observed TTFT. `level` 0 = the configured thresholds, 1 = the most
+    eager ones below; TTFT P95 above `tighten_ratio` x SLO for `tighten_after` reports raises the level
+    by `tighten_step`; below `loosen_ratio` x SLO for `loosen_after` reports lowers it by `loosen_step`;
+    in between it holds (the band and the two windows are the hysteresis)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    slo_ttft_s: float | None = Field(None, gt=0.0, description="TTFT target in seconds; None turns the feedback off")
+    tighten_ratio: float = Field(0.8, gt=0.0, description="TTFT P95 / SLO above this counts as hot")
+    loosen_ratio: float = Field(0.4, gt=0.0, description="TTFT P95 / SLO below this counts as calm")
+    tighten_after: int = Field(2, ge=1, description="hot reports in a row before one step up")
+    loosen_after: int = Field(8, ge=1, description="calm reports in a row before one step down")
+    tighten_step: float = Field(0.25, gt=0.0, le=1.0, description="level added per step up")
+    loosen_step: float = Field(0.1, gt=0.0, le=1.0, description="level removed per step down")
+    eager_kv_usage: float = Field(0.65, gt=0.0, le=1.0, description="entry KV usage at level 1 (must stay above relax_kv_usage)")
+    eager_queue_delay_fraction: float = Field(0.3, gt=0.0, le=1.0, description="entry queue delay at level 1, as a fraction of the mode's")
+    max_reservation_factor: float = Field(4.0, ge=1.0, description="output reservation multiplier at level 1")
+
+    @model_validator(mode="after")
+    def _band(self) -> "SloFeedbackConfig":
+        if self.loosen_ratio >= self.tighten_ratio:
+            raise ValueError(f"loosen_ratio ({self.loosen_ratio}) must be below tighten_ratio ({self.tighten_ratio}): "
+                             "the gap between them is the feedback's hysteresis")
+        return self
+
+
 class PolicyConfig(BaseModel):
     """Thresholds and windows of the morph policy. Pressure must be *sustained* (enter_after snapshots
     in a row) to morph down, and relief sustained for longer (relax_after) with both signals well
@@ -76,6 +103,9 @@ class PolicyConfig(BaseModel):
     relax_queue_delay_s: float = Field(0.020, ge=0.0, description="relaxed when queue delay <= this (and KV usage below relax_kv_usage)")
     relax_after: int = Field(10, ge=1, description="consecutive relaxed snapshots before one step of restore")
     history_len: int = Field(64, ge=1, description="snapshots a PolicyRunner / the fleet keeps per replica")
+    queue_delay_sustained_s: float = Field(1.0, gt=0.0, description="a queue delay this long is sustained pressure by itself (the request has waited that long), however few reports saw it")
+    quantized_faster_max_batch: int = Field(1, ge=0, description="running requests up to which quantized layers decode faster than full precision on this hardware (1 on the reference CPU); queueing for compute morphs only up to it, else it asks for scale-out")
+    slo: SloFeedbackConfig = Field(default_factory=SloFeedbackConfig, description="SLO feedback on thresholds and output reservation")
     modes: dict[str, ModeSettings] = Field(default_factory=_default_modes, description="the three modes' settings")
 
     @model_validator(mode="after")
@@ -95,6 +125,15 @@ class PolicyConfig(BaseModel):
         if self.relax_after < self.enter_after:
             raise ValueError(f"relax_after ({self.relax_after}) must be at least enter_after ({self.enter_after}): "
                              "restoring should need a longer quiet period than morphing needs pressure")
+        if self.slo.slo_ttft_s is not None:
+            if self.slo.eager_kv_usage <= self.relax_kv_usage:
+                raise ValueError(f"slo.eager_kv_usage ({self.slo.eager_kv_usage}) must be above relax_kv_usage "
+                                 f"({self.relax_kv_usage})")
+            for name in MODE_NAMES:
+                eager_q = self._resolve(name).enter_queue_delay_s * self.slo.eager_queue_delay_fraction
+                if eager_q <= self.relax_queue_delay_s:
+                    raise ValueError(f"slo.eager_queue_delay_fraction makes mode {name!r} enter at {eager_q:g} s, not "
+                                     f"above relax_queue_delay_s ({self.relax_queue_delay_s}); raise the fraction")
         if self.history_len < max(self.enter_after, self.relax_after):
             raise ValueError(f"history_len ({self.history_len}) must hold the longest window "
                              f"({max(self.enter_after, self.relax_after)}); raise history_len")

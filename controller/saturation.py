@@ -1,5 +1,5 @@
-"""Saturation: a replica at its morph cap (the mode's, or its fleet grant) while still under
-pressure. Only *sustained* saturation asks for another replica: `scale_out_after_s` of it, measured
+"""Saturation: a replica at its morph cap (the mode's, or its fleet grant), or queueing for compute
+that morphing cannot help, while still under pressure. Only *sustained* saturation asks for another replica: `scale_out_after_s` of it, measured
 on the replica's own snapshot clock, so a burst that one more morph step or a few seconds of
 queueing absorbs never starts a replica (which takes far longer to load than the burst lasts).
 
@@ -10,17 +10,25 @@ from __future__ import annotations
 import dataclasses
 
 from controller.policy import current_target, is_pressured, morph_cap
+from controller.directive import Directive
 from controller.policy_config import PolicyConfig
 from engine.morph.actions import MorphState
 from engine.pressure import PressureSnapshot
 
 
+def compute_bound(directive: Directive) -> bool:
+    """The policy found the queue waiting for compute at a batch where quantized layers are not
+    faster: morphing cannot help, below the cap or not."""
+    return directive.scale_out and directive.waiting_for == "compute"
+
+
 def is_saturated(latest: PressureSnapshot | None, state: MorphState, policy: PolicyConfig,
-                 grant: int | None = None) -> bool:
-    """At its cap (mode or fleet grant) and the latest snapshot still pressured."""
+                 grant: int | None = None, compute_bound: bool = False) -> bool:
+    """At its cap (mode or fleet grant), or compute-bound, and the latest snapshot still pressured."""
     if latest is None:
         return False
-    return current_target(state) >= morph_cap(state, policy, grant) and is_pressured(latest, policy.active)
+    at_cap = current_target(state) >= morph_cap(state, policy, grant)
+    return (at_cap or compute_bound) and is_pressured(latest, policy.active)
 
 
 @dataclasses.dataclass

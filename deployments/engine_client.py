@@ -13,7 +13,9 @@ from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
 from controller.policy_config import ModeName
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from engine.logprobs import PositionLogprobs
 from engine.outputs import FinishReason, RequestOutput
+from engine.sampling_params import StructuredOutput
 
 ErrorKind = Literal["invalid_request", "overloaded", "dead", "internal"]
 
@@ -31,6 +33,15 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # top logprobs per sampled token (None: none at all)
+    prompt_logprobs: int | None = None  # the same per prompt token (echo with logprobs)
+    structured_output: StructuredOutput | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.sampling_params.SamplingParams.create."""
@@ -56,7 +67,9 @@ class GenerateChunk:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
     error: EngineErrorInfo | None = None
-    queue_time_s: float | None = None  # on the last chunk: arrival to first schedule in the engine
+    queue_time_s: float | None = None
+    logprobs: tuple[PositionLogprobs, ...] | None = None  # one per token id, when asked for
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None  # on the first chunk, when asked for  # on the last chunk: arrival to first schedule in the engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +101,12 @@ class EngineClient(Protocol):
 
     async def model_info(self) -> ModelInfo: ...
 
-    async def tokenize(self, text: str) -> list[int]: ...
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: what the tokenizer adds around a text (BOS for Llama-style models), as
+        vLLM does for /v1/completions and /tokenize."""
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str: ...
 
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Apply the model's chat template (with the generation prompt) and tokenize."""
@@ -181,8 +199,11 @@ class HandleEngineClient:
     async def model_info(self) -> ModelInfo:
         return await self._call("model_info")
 
-    async def tokenize(self, text: str) -> list[int]:
-        return await self._call("tokenize", text)
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return await self._call("tokenize", text, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._call("detokenize", token_ids)
 
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return await self._call("tokenize_chat", messages)
@@ -203,4 +224,5 @@ class HandleEngineClient:
 def chunk_from_output(output: RequestOutput) -> GenerateChunk:
     """Replica side: the engine's per-step RequestOutput as the chunk that crosses to the ingress."""
     return GenerateChunk(output.request_id, output.text, tuple(output.token_ids), output.finish_reason,
-                         output.num_prompt_tokens, output.num_output_tokens)
+                         output.num_prompt_tokens, output.num_output_tokens,
+                         logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs)

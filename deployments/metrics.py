@@ -188,6 +188,7 @@ class ServeMetrics:
         self.iteration_tokens = b.histogram(PREFIX + "iteration_tokens_total", "Tokens per engine step", ITERATION_TOKEN_BUCKETS, m)
         self.step_time = b.histogram(PREFIX + "step_time_seconds", "Engine step time by phase (prefill, decode, mixed)",
                                      STEP_TIME_BUCKETS, m + ("phase",))
+        self.burst = BurstMetrics(b, model_name)  # admission-time morphing, KV demand, SLO feedback
 
     def _t(self, **extra: str) -> dict[str, str]:
         return {**self._tags, **extra}
@@ -276,3 +277,43 @@ class RequestTimer:
         ttft = None if self._first is None else self._first - self.start
         return RequestRecord(finish_reason, num_prompt_tokens, num_output_tokens, self._clock() - self.start,
                              ttft, tuple(self._itl))
+
+
+class BurstMetrics:
+    """Admission-time morphing (engine/morph/admission.py), KV demand and SLO feedback, per replica."""
+
+    def __init__(self, b: MetricsBackend, model_name: str):
+        m, self._tags = ("model_name",), {"model_name": model_name}
+        self._last = {"swap": 0, "restore": 0}
+        self.admission_morphs = b.counter(PREFIX + "admission_morphs",
+                                          "Morphs the engine made at admission (swap) or by demand (restore)",
+                                          m + ("kind",))
+        self.demand = b.gauge(PREFIX + "kv_demand_blocks", "KV demand in blocks: waiting, running_reserved, "
+                              "running_finish; available = free - running_reserved", m + ("kind",))
+        self.reservation = b.gauge(PREFIX + "output_reservation_tokens",
+                                   "Output tokens reserved per request in the KV demand", m)
+        self.allowed = b.gauge(PREFIX + "morph_allowed_layers",
+                               "Most quantized layers the last directive allows (bounds admission morphs)", m)
+        self.slo_level = b.gauge(PREFIX + "slo_feedback_level",
+                                 "SLO feedback level (0: configured thresholds, 1: most eager)", m)
+        self.threshold = b.gauge(PREFIX + "policy_entry_threshold",
+                                 "Entry thresholds in use (kv_usage; queue_delay_seconds)", m + ("signal",))
+
+    def set(self, snapshot: PressureSnapshot, directive) -> None:
+        t = self._tags
+        for kind, total in (("swap", snapshot.admission_swaps_total), ("restore", snapshot.admission_restores_total)):
+            if total > self._last[kind]:
+                self.admission_morphs.inc(total - self._last[kind], {**t, "kind": kind})
+            self._last[kind] = total
+        demand = {"waiting": snapshot.waiting_demand_blocks, "running_reserved": snapshot.running_reserved_blocks,
+                  "running_finish": snapshot.running_finish_blocks, "available": snapshot.available_blocks}
+        for kind, blocks in demand.items():
+            self.demand.set(blocks, {**t, "kind": kind})
+        self.reservation.set(snapshot.reservation_tokens, t)
+        if directive.max_quantized is not None:
+            self.allowed.set(directive.max_quantized, t)
+        self.slo_level.set(directive.slo_level or 0.0, t)
+        thresholds = {"kv_usage": directive.enter_kv_usage, "queue_delay_seconds": directive.enter_queue_delay_s}
+        for signal, value in thresholds.items():
+            if value is not None:
+                self.threshold.set(value, {**t, "signal": signal})

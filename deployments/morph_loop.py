@@ -29,6 +29,7 @@ from deployments.engine_client import AdminUpdate
 from deployments.metrics import ServeMetrics
 from engine.errors import InvalidRequestError
 from engine.morph.actions import ActionResult, MorphState, SetQuantizedTarget
+from engine.morph.admission import AdmissionGrant
 from engine.precision import Precision
 from engine.pressure import PressureSnapshot
 
@@ -139,15 +140,14 @@ class MorphLoop:
         self.metrics.set_morph_state(state)
         directive = await self.client.report(snapshot, state)
         self.metrics.set_controller_reachable(self.client.reachable)
+        self.metrics.burst.set(snapshot, directive)
         await self._assert_mode(directive)
         action = self.action_for(directive, state)
-        result = None
-        if action is not None:
-            result = await self.engine.apply(action)
-            if result.status == "rejected":
-                self._rejected = action
-                log.warning("engine rejected %s: %s", action, result.message)
-            self._count_engine_results()
+        result = await self._enact(self.grant_for(directive, state), action, snapshot)
+        if action is not None and result is not None and result.status == "rejected":
+            self._rejected = action
+            log.warning("engine rejected %s: %s", action, result.message)
+        self._count_engine_results()  # the directive's result and any admission morph at that boundary
         self.rounds += 1
         self.last = LoopRecord(snapshot.time, directive, action, result)
         return self.last
@@ -159,6 +159,27 @@ class MorphLoop:
         for result in results:
             self.metrics.count_action(result)
             self.action_counts[result.status] = self.action_counts.get(result.status, 0) + 1
+
+    async def _enact(self, grant: AdmissionGrant | None, action: SetQuantizedTarget | None,
+                     snapshot: PressureSnapshot) -> ActionResult | None:
+        """Hand the engine its grant and the target (skipped if it morphed at admission since the snapshot)."""
+        if hasattr(self.engine, "enact"):
+            seen = snapshot.admission_swaps_total + snapshot.admission_restores_total
+            return await self.engine.enact(grant, action, seen)
+        return await self.engine.apply(action) if action is not None else None  # an engine without admission morphing
+
+    def grant_for(self, directive: Directive, state: MorphState) -> AdmissionGrant | None:
+        """What the engine may do by itself until the next round: up to the directive's allowed maximum
+        (an operator pin holds the count exactly; morphing disabled: nothing)."""
+        pins = self.pins
+        if not pins.morphing_enabled:
+            return None
+        if pins.quantized_layers is not None:
+            n = max(pins.quantized_layers, state.forced_quantized)
+            return AdmissionGrant(n, n, pins.precision or directive.precision, directive.reservation_factor)
+        allowed = directive.max_quantized if directive.max_quantized is not None else directive.target_quantized
+        return AdmissionGrant(max(allowed, state.forced_quantized), state.forced_quantized, directive.precision,
+                              directive.reservation_factor)
 
     def action_for(self, directive: Directive, state: MorphState) -> SetQuantizedTarget | None:
         """The directive (or the operator's pin) as an engine action; None when nothing would change."""

@@ -42,6 +42,17 @@ def resolve_device(wanted: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def demand_summary(s) -> dict[str, Any]:
+    """The snapshot's KV demand and admission-morph figures (engine/demand.py, engine/morph/admission.py)."""
+    return {"waiting_for": s.waiting_for, "waiting_demand_blocks": s.waiting_demand_blocks,
+            "head_demand_blocks": s.head_demand_blocks, "running_reserved_blocks": s.running_reserved_blocks,
+            "running_finish_blocks": s.running_finish_blocks, "available_blocks": s.available_blocks,
+            "reservation_tokens": s.reservation_tokens, "rung_gain_blocks": dict(s.rung_gain_blocks),
+            "ttft_recent_p95_s": s.ttft_recent_p95_s, "head_blocked_since": s.head_blocked_since,
+            "admission_swaps_total": s.admission_swaps_total, "admission_layers_total": s.admission_layers_total,
+            "admission_restores_total": s.admission_restores_total, "admission_capped_total": s.admission_capped_total}
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -107,9 +118,16 @@ class LLMServer:
 
     # Tokenizing a long prompt takes a while: on a worker thread, so the replica's event loop keeps
     # streaming other requests and answering health checks meanwhile.
-    async def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         tokenizer = self._tokenizer()
-        return await asyncio.to_thread(lambda: list(tokenizer.encode(text)))
+        return await asyncio.to_thread(lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        tokenizer = self._tokenizer()
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return await asyncio.to_thread(lambda: tokenizer.decode(token_ids, skip_special_tokens=False))
 
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         tokenizer = self._tokenizer()
@@ -124,6 +142,8 @@ class LLMServer:
 
     async def admin_status(self) -> dict[str, Any]:
         snapshot, state = await self.morph_loop.observe()
+        admission = await self.engine.run_at_step_boundary(
+            lambda e: e.admission.status() if getattr(e, "admission", None) is not None else None)
         return {
             "replica_id": self.replica_id, "model": self.engine.model_name,
             "mode": self._mode(), "morphing_enabled": self.morph_loop.pins.morphing_enabled,
@@ -131,11 +151,13 @@ class LLMServer:
                             "precisions": [p.value for p in state.layer_precisions],
                             "swap_order": list(state.swap_order), "swap_order_source": state.swap_order_source,
                             "kv_capacity_blocks": state.kv_capacity_blocks, "kv_max_blocks": state.kv_max_blocks,
-                            "pending": len(state.pending), "engine_morphing_enabled": state.morphing_enabled},
+                            "pending": len(state.pending), "engine_morphing_enabled": state.morphing_enabled,
+                            "forced_quantized": state.forced_quantized},
             "pressure": {"kv_usage": round(snapshot.kv_usage, 4), "kv_used_blocks": snapshot.kv_used_blocks,
                          "num_running": snapshot.num_running, "num_waiting": snapshot.num_waiting,
                          "queue_delay_s": snapshot.queue_delay_s, "preemptions_total": snapshot.preemptions_total,
-                         "memory": dataclasses.asdict(snapshot.ledger)},
+                         "memory": dataclasses.asdict(snapshot.ledger), **demand_summary(snapshot)},
+            "admission": admission,
             "load_seconds": round(self.load_seconds, 3),
             **self.morph_loop.status(),
         }

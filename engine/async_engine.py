@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError, StepFailed
 from engine.llm_engine import LLMEngine
 from engine.morph.actions import ActionResult, MorphAction, MorphState
+from engine.morph.admission import AdmissionGrant, enact
 from engine.outputs import RequestOutput
 from engine.pressure import PressureSnapshot
 from engine.sampling_params import SamplingParams
@@ -130,8 +131,12 @@ class AsyncLLMEngine:
         def sink(item: Any) -> None:  # called on the stepping thread
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+        grammar = None
+        if params is not None and params.structured_output is not None:  # compiling may take seconds:
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params.structured_output)  # not in a step
+
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, grammar)
             self._sinks[request_id] = sink
 
         await self.run_at_step_boundary(add)
@@ -156,6 +161,15 @@ class AsyncLLMEngine:
         def run(engine: LLMEngine) -> ActionResult:
             result = engine.apply(action)
             self._log_morph((result,))
+            return result
+        return await self.run_at_step_boundary(run)
+
+    async def enact(self, grant: AdmissionGrant | None, action: MorphAction | None,
+                    seen_moves: int) -> ActionResult | None:
+        """A directive at the next step boundary (engine/morph/admission.py `enact`); the target's result."""
+        def run(engine: LLMEngine) -> ActionResult | None:
+            result, admitted = enact(engine, grant, action, seen_moves)
+            self._log_morph([r for r in (result, admitted) if r is not None])
             return result
         return await self.run_at_step_boundary(run)
 

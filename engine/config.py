@@ -55,6 +55,12 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(None, description="where converted models and host stores live; default $MORPHSERVE_CACHE or ~/.cache/morphserve")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores")
+    # -- admission-time morphing (engine/morph/admission.py); the grant comes from the policy --
+    output_reservation_tokens: int = Field(32, ge=0, description="output tokens reserved per request when sizing KV demand (SLO feedback may raise it)")
+    admission_prefetch_layers: int = Field(4, ge=0, description="quantized layers read ahead while a step runs when the queue does not fit")
+    restore_quiet_s: float = Field(2.0, ge=0.0, description="demand must fit the smaller cache this long before layers are restored")
+    restore_max_usage: float = Field(0.6, gt=0.0, le=1.0, description="a demand restore leaves the KV demand at most this fraction of the smaller cache (keep it at or below the policy's relax_kv_usage)")
+    admission_log_len: int = Field(256, ge=1, description="admission morph events kept for the admin status and benchmarks")
 
     @field_validator("dtype")
     @classmethod

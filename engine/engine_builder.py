@@ -81,7 +81,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
     kv_resizer = KVResizer(pool, storage, kv_manager, ledger, min_blocks=plan.min_blocks)
     executor = MorphExecutor(model, ledger, kv_resizer, pool, morph.host_store, morph.swap_order,
-                             morph.ladder) if morph else None
+                             morph.ladder, forced_quantized=morph.start_low) if morph else None
     tokenizer = loaded.tokenizer
     eos = frozenset(mc.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer is not None else ())
     return EngineParts(
@@ -90,7 +90,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         full_precision=full_precision_for(config.torch_dtype), eos_token_ids=eos, memory_plan=plan, ledger=ledger,
         storage=storage, pool=pool, kv_manager=kv_manager, scheduler=scheduler,
         runner=ModelRunner(model, storage, torch.device(config.device)),
-        monitor=PressureMonitor(scheduler, pool, ledger), kv_resizer=kv_resizer, morph_executor=executor)
+        monitor=PressureMonitor(scheduler, pool, ledger, reservation_tokens=config.output_reservation_tokens),
+        kv_resizer=kv_resizer, morph_executor=executor)
 
 
 def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

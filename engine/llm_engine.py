@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 import torch
@@ -17,13 +18,17 @@ from engine.config import EngineConfig
 from engine.engine_builder import EngineParts, build_engine_parts
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.morph.actions import ActionResult, MorphAction, MorphState
+from engine.morph.admission import AdmissionGrant, AdmissionMorpher
 from engine.outputs import RequestOutput, StepResult
 from engine.pressure import PressureSnapshot
+from engine.request_extras import (ChunkResult, chunks_needing_every_row, commit_extras, compute_prompt_logprobs,
+                                   compute_sampled_logprobs, row_context)
 from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import Sequence, SequenceStatus, StopChecker
-from engine.step_isolation import Sampled, forward_isolating
+from engine.step_isolation import forward_isolating
 from engine.step_stats import StepStats
+from engine.structured_output import GrammarCompiler, GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +46,19 @@ class LLMEngine:
         self.storage, self.pool, self.kv_manager = parts.storage, parts.pool, parts.kv_manager
         self.scheduler, self.runner, self.monitor = parts.scheduler, parts.runner, parts.monitor
         self.kv_resizer, self.morph_executor = parts.kv_resizer, parts.morph_executor
+        # Morph at admission and restore by demand (engine/morph/admission.py), within the policy's grant.
+        self.admission = AdmissionMorpher.for_engine(self) if self.morph_executor is not None else None
+        self.monitor.admission = self.admission
         self._requests: dict[str, Sequence] = {}
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self._seed_source = torch.Generator().manual_seed(config.seed)
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    grammar: GrammarState | None = None) -> None:
+        """`grammar`: params.structured_output already compiled (`compile_grammar`, off the step loop);
+        compiled here when None."""
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
@@ -60,10 +73,30 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        if grammar is None and params.structured_output is not None:
+            grammar = self.compile_grammar(params.structured_output)
         seq = Sequence(request_id, token_ids, params, time.monotonic(), generator,
                        stop_checker=StopChecker(self.tokenizer, params, self.eos_token_ids, tuple(token_ids)))
+        seq.grammar = grammar
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def compile_grammar(self, spec: StructuredOutput) -> GrammarState:
+        """A request's grammar state; thread-safe, so the async engine compiles off the step loop."""
+        return self._grammar_compiler().compile(spec)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on first use: xgrammar's vocabulary view takes seconds and most engines never need it."""
+        with self._grammar_lock:
+            return self._build_grammar_compiler()
+
+    def _build_grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer", param="response_format")
+            self._grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                            tuple(sorted(self.eos_token_ids)))
+        return self._grammar
 
     def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -133,7 +166,12 @@ class LLMEngine:
         """Where pending morph actions run: no model step is reading weights or KV now."""
         if self.morph_executor is None:
             return ()
-        return tuple(self.morph_executor.run_pending())
+        results = list(self.morph_executor.run_pending())
+        if self.admission is not None:  # a request the step could start does not fit: swap for it first
+            admitted = self.admission.at_boundary(time.monotonic())
+            if admitted is not None:
+                results.append(admitted)
+        return tuple(results)
 
     def _mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
         for c in out.chunks:
@@ -144,23 +182,39 @@ class LLMEngine:
     def _sampled_seqs(self, out: SchedulerOutput) -> list[Sequence]:
         return [self._requests[c.request_id] for c in out.chunks if c.needs_logits]
 
-    def _forward(self, out: SchedulerOutput) -> list[Sampled]:
-        """Model + sampler for `out`: (chunk, sampled token or None when the chunk needs no logits)."""
-        logits = self.runner.execute(out)
+    def _forward(self, out: SchedulerOutput) -> list[ChunkResult]:
+        """Model + sampler for `out`: one result per chunk (token None when the chunk needs no logits),
+        with the logprobs its request asked for. Reads request state only (see request_extras)."""
+        every_row_of = chunks_needing_every_row(out.chunks, self._requests)
+        if every_row_of:  # some request wants prompt logprobs: the logits of every row of its chunk too
+            logits, every = self.runner.execute_with_chunk_logits(out, every_row_of)
+        else:
+            logits, every = self.runner.execute(out), {}
         seqs = self._sampled_seqs(out)
-        tokens = iter(sample(logits, [s.params for s in seqs], [s.generator for s in seqs]))
-        return [(c, next(tokens) if c.needs_logits else None) for c in out.chunks]
+        sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                         [row_context(s) for s in seqs])
+        sampled_lps = compute_sampled_logprobs(logits, seqs, sampled, self._decode_token)
+        tokens, lps = iter(sampled), iter(sampled_lps)
+        return [ChunkResult(c, next(tokens) if c.needs_logits else None, next(lps) if c.needs_logits else None,
+                            compute_prompt_logprobs(self._requests[c.request_id], c, every[i], self._decode_token)
+                            if i in every else ())
+                for i, c in enumerate(out.chunks)]
 
-    def _commit(self, sampled: list[Sampled], failed: list[tuple[str, Exception]]) -> list[RequestOutput]:
+    def _decode_token(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def _commit(self, sampled: list[ChunkResult], failed: list[tuple[str, Exception]]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = [self._fail(self._requests[rid], e, now) for rid, e in failed]
-        for c, _ in sampled:
-            self._requests[c.request_id].num_computed_tokens = c.end_pos
-        appended = [(self._requests[c.request_id], token) for c, token in sampled if token is not None]
-        self.monitor.record_tokens(now, len(appended))
-        for seq, token in appended:
+        for r in sampled:
+            self._requests[r.chunk.request_id].num_computed_tokens = r.chunk.end_pos
+        kept = [(self._requests[r.chunk.request_id], r) for r in sampled]
+        self.monitor.record_tokens(now, sum(1 for _, r in kept if r.token is not None))
+        for seq, r in kept:
             try:
-                outputs.append(self._append_token(seq, token, now))
+                commit_extras(seq, r)
+                if r.token is not None:
+                    outputs.append(self._append_token(seq, r.token, now))
             except Exception as e:  # noqa: BLE001 - e.g. its detokenizer: this request alone fails
                 logger.exception("request %s failed after its token was sampled; aborting it", seq.request_id)
                 outputs.append(self._fail(seq, e, now))
@@ -179,6 +233,8 @@ class LLMEngine:
             self.monitor.record_decode_gap(now, now - seq.last_token_time)
         seq.last_token_time = now
         reason = seq.stop_checker.push(token)
+        if reason is None and seq.grammar is not None and seq.grammar.terminated:
+            reason = "stop"  # the structured output is complete (reached without a stop token: ignore_eos)
         if reason is None and seq.num_output_tokens >= seq.params.max_tokens:
             reason = "length"
         if reason is not None:
@@ -194,7 +250,15 @@ class LLMEngine:
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
         new_ids = tuple(seq.output_token_ids[seq.emitted_token_len:])
         seq.emitted_token_len = seq.num_output_tokens
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs, seq.pending_logprobs = tuple(seq.pending_logprobs), []
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs_sent = True
+            prompt_logprobs = tuple(seq.prompt_logprobs) or (None,)
         return RequestOutput(
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             request_id=seq.request_id, text=text, token_ids=new_ids, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, finish_reason=seq.finish_reason,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,
@@ -219,6 +283,11 @@ class LLMEngine:
             return ActionResult(action=action, status="rejected",
                                 message="morphing is disabled (no morph executor on this engine)")
         return self.morph_executor.apply(action)
+
+    def set_admission_grant(self, grant: AdmissionGrant | None) -> None:
+        """What admission-time morphing may do until the next directive (None: nothing)."""
+        if self.admission is not None:
+            self.admission.set_grant(grant)
 
     def close(self) -> None:
         """Stop the morph executor's prefetch worker; the engine takes no more steps."""

@@ -27,6 +27,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] long
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # [N] long: the row of the last token of each chunk needing logits, in chunk order
+    chunk_rows: tuple[tuple[int, int], ...] = ()  # (first row, last row + 1) of every chunk, in chunk order
 
 
 def _num_blocks(num_positions: int, block_size: int) -> int:
@@ -42,13 +43,21 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """fp32 logits [number of chunks with needs_logits, vocab], in chunk order."""
+        return self.execute_with_chunk_logits(out, ())[0]
+
+    def execute_with_chunk_logits(self, out: SchedulerOutput, every_row_of: Sequence[int]
+                                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """As `execute`, plus the logits of every token of the chunks at indices `every_row_of`
+        ({chunk index: [len(chunk.token_ids), vocab]}): what prompt logprobs are read from."""
         with torch.inference_mode():
             if out.is_empty:
-                return torch.empty(0, self.model.config.vocab_size, device=self.device)
+                return torch.empty(0, self.model.config.vocab_size, device=self.device), {}
             kv = [self.storage.layer(l) for l in range(self.num_layers)]
             inputs = self.prepare(out.chunks, block_size=kv[0][0].shape[1])
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv)  # [T, H]
-            return self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
+            sampled = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
+            every = {i: self.model.compute_logits(hidden[slice(*inputs.chunk_rows[i])]) for i in every_row_of}
+            return sampled, every
 
     def prepare(self, chunks: Sequence[ScheduledChunk], block_size: int) -> StepInputs:
         order = ([i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
@@ -58,9 +67,11 @@ class ModelRunner:
         blocks: list[int] = []
         offsets: list[int] = []
         last_row = [0] * len(chunks)
+        first_row = [0] * len(chunks)
         for i in order:
             c = chunks[i]
             self._check_chunk(c, block_size)
+            first_row[i] = len(ids)
             ids.extend(c.token_ids)
             table = c.block_table
             for p in range(c.start_pos, c.end_pos):
@@ -74,7 +85,8 @@ class ModelRunner:
             decode=self._decode_batch([chunks[i] for i in order[:num_decodes]], block_size),
             prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size))
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
-        return StepInputs(self._long(ids), self._long(positions), meta, self._long(logit_rows))
+        return StepInputs(self._long(ids), self._long(positions), meta, self._long(logit_rows),
+                          tuple((first_row[i], last_row[i] + 1) for i in range(len(chunks))))
 
     def _check_chunk(self, c: ScheduledChunk, block_size: int) -> None:
         # Caller bugs, not user input: the scheduler guarantees these; fail loudly before touching memory.

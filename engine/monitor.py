@@ -3,10 +3,12 @@ every step. Times are the engine clock (time.monotonic); the window defaults to 
 from __future__ import annotations
 
 import collections
+import math
 import time
 from typing import Callable
 
 from engine.block_pool import BlockPool
+from engine.demand import Demand, measure_demand
 from engine.ledger import MemoryLedger
 from engine.pressure import PressureSnapshot
 from engine.scheduler import Scheduler
@@ -14,7 +16,7 @@ from engine.scheduler import Scheduler
 
 class PressureMonitor:
     def __init__(self, scheduler: Scheduler, pool: BlockPool, ledger: MemoryLedger,
-                 window_s: float = 5.0, clock: Callable[[], float] | None = None):
+                 window_s: float = 5.0, clock: Callable[[], float] | None = None, reservation_tokens: int = 0):
         if window_s <= 0:
             raise ValueError(f"window_s must be positive, got {window_s}")
         self.scheduler, self.pool, self.ledger = scheduler, pool, ledger
@@ -25,6 +27,13 @@ class PressureMonitor:
         self._tpots: collections.deque[tuple[float, float]] = collections.deque()  # (time, gap)
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()  # (time, count)
         self.step_count = 0
+        self.reservation_tokens = reservation_tokens  # replaced by the admission morpher's when it has one
+        self.admission = None  # engine/morph/admission.py: AdmissionMorpher, when morphing is on
+
+    def demand(self, reservation_tokens: int | None = None) -> Demand:
+        tokens = self.reservation_tokens if reservation_tokens is None else reservation_tokens
+        sch = self.scheduler
+        return measure_demand(sch.waiting, sch.running, sch.kv, tokens, sch.max_num_batched_tokens, sch.max_num_seqs)
 
     def record_first_token(self, now: float, ttft_s: float) -> None:
         self._ttfts.append((now, ttft_s))
@@ -45,6 +54,10 @@ class PressureMonitor:
         self._expire(now)
         oldest = self.scheduler.oldest_waiting_arrival()
         span = max(min(self.window_s, now - self.start_time), 1e-3)
+        adm = self.admission
+        tokens = adm.reservation_tokens if adm is not None else self.reservation_tokens
+        demand = self.demand(tokens)
+        counters = adm.counters() if adm is not None else {}
         return PressureSnapshot(
             time=now, step=self.step_count,
             kv_used_blocks=self.pool.num_used, kv_capacity_blocks=self.pool.capacity,
@@ -55,7 +68,16 @@ class PressureMonitor:
             tpot_recent_s=_mean(v for _, v in self._tpots),
             throughput_tok_s=sum(c for _, c in self._tokens) / span,
             preemptions_total=self.scheduler.num_preemptions,
-            ledger=self.ledger.figures())
+            ledger=self.ledger.figures(),
+            waiting_demand_blocks=demand.waiting_total_blocks,
+            head_demand_blocks=demand.waiting_blocks[0] if demand.waiting_blocks else 0,
+            running_reserved_blocks=demand.running_reserved_blocks,
+            running_finish_blocks=demand.running_finish_blocks, reservation_tokens=tokens,
+            rung_gain_blocks=adm.rung_gain_blocks() if adm is not None else (),
+            ttft_recent_p95_s=_quantile([v for _, v in self._ttfts], 0.95),
+            head_blocked_since=adm.blocked_since if adm is not None else None,
+            admission_swaps_total=counters.get("swaps", 0), admission_layers_total=counters.get("layers_swapped", 0),
+            admission_restores_total=counters.get("restores", 0), admission_capped_total=counters.get("capped", 0))
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_s
@@ -67,3 +89,11 @@ class PressureMonitor:
 def _mean(values) -> float | None:
     vals = list(values)
     return sum(vals) / len(vals) if vals else None
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """Nearest-rank quantile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from engine.logprobs import PositionLogprobs
 from engine.morph.actions import ActionResult
 from engine.step_stats import StepStats
 
@@ -25,6 +26,10 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # when a step first ran any of its tokens (queue time ends)
     # Set when the engine failed this request alone (a step raised for it): finish_reason is "abort".
     error: Exception | None = None
+    # When the request asked for them: one per new token id (aligned with token_ids) ...
+    logprobs: tuple[PositionLogprobs, ...] | None = None
+    # ... and, on the first output only, one per prompt token (the first is None: nothing precedes it).
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

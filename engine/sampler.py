@@ -1,4 +1,5 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with one torch.Generator per request.
+"""Next-token sampling: logits processors (engine/logits_processors.py), then greedy or
+temperature, min-p, top-k, top-p, with one torch.Generator per request.
 
 Every row is computed from its own logits and its own generator only, so a seeded request draws
 the same tokens alone or inside any batch. Sampling uses the exponential race
@@ -10,21 +11,29 @@ from typing import Sequence as Seq
 
 import torch
 
+from engine.logits_processors import RowContext, apply_processors, min_p_filter
 from engine.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: Seq[SamplingParams],
-           generators: Seq[torch.Generator | None]) -> list[int]:
-    """logits: [N, vocab] (fp32), one row per request -> N token ids."""
+def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
+           contexts: Seq[RowContext | None] | None = None) -> list[int]:
+    """logits: [N, vocab] (fp32), one row per request -> N token ids. `contexts` (one per row) feed the
+    logits processors; without them only temperature / top-k / top-p / min-p apply."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"sample() got logits {tuple(logits.shape)} for {len(params)} requests")
     logits = logits.float()
+    if contexts is not None and any(c is not None for c in contexts):
+        logits = apply_processors(logits, list(params), list(contexts))
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
         temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
         scaled = logits.index_select(0, index) / temps.unsqueeze(1)
+        min_p = [params[i].min_p for i in rows]
+        if any(m > 0 for m in min_p):  # min_p first (vLLM's order): drop what it drops, then top-k/top-p
+            kept = min_p_filter(torch.softmax(scaled, dim=-1), min_p)
+            scaled = scaled.masked_fill(kept == 0, float("-inf"))
         probs = _filtered_probs(scaled, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows):

@@ -43,6 +43,13 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_checker = stop_checker
         self.emitted_token_len = 0  # output tokens already returned in a RequestOutput
+        # Asked-for extras (see SamplingParams.logprobs / prompt_logprobs / structured_output):
+        self.grammar = None  # engine.structured_output.GrammarState, advanced once per sampled token
+        self.pending_logprobs: list = []  # PositionLogprobs of output tokens not yet returned
+        # PositionLogprobs of prompt positions 1.. (position 0 has none); computed once, kept across
+        # preemptions (a re-prefill does not recompute them) and returned with the first output.
+        self.prompt_logprobs: list = []
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -125,6 +125,11 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object itself (what grammar libraries build their vocabulary view from)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

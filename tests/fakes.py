@@ -106,8 +106,11 @@ class FakeEngine:
     async def model_info(self) -> ModelInfo:
         return ModelInfo(self.model_name, self.max_model_len, VOCAB_SIZE, (EOS_TOKEN_ID,), self.created, (4, 8))
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
 
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return await self.tokenize("\n".join(m["content"] for m in messages))

@@ -12,12 +12,16 @@ import torch
 from safetensors.torch import save_file
 
 from ops.bench import BenchmarkInputError
-from ops.bench.bench_settings import BenchConfig, goal_lines, workload_spec
+from ops.bench.bench_settings import BenchConfig, workload_spec
+from ops.bench.goals import goal_lines
+from ops.bench.served_quality import parse_label
 from ops.bench.metrics import spread
 from ops.bench.run_all import bench_config, parse_args
 from ops.bench.server_process import ServerProcess, ServerStartError, free_port, session_pids
-from ops.bench.systems import (ALL_SYSTEMS, MIB, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4, VLLM, ModelFacts,
-                               interleaved_schedule, morphserve_app_args, morphserve_command, morphserve_status,
+from ops.bench.systems import (ALL_SYSTEMS, FLEET_BASELINE, FLEET_PRESSURE, MIB, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4,
+                               VLLM, ModelFacts, fleet_note, fleet_switches_available, fleet_systems,
+                               interleaved_schedule, morphserve_app_args, morphserve_command, morphserve_labels,
+                               morphserve_status,
                                plan_budget, serve_config, system_specs, vllm_command, vllm_env, vllm_kv_tokens,
                                vllm_status_parser)
 
@@ -109,6 +113,29 @@ def test_morphserve_args_are_valid_app_args(facts):
         assert parsed.engine_config().memory_budget_bytes == plan.budget_bytes
 
 
+def test_fleet_systems_are_two_replica_app_args(facts):
+    from deployments.app_args import parse_app_args
+
+    plan = plan_budget(facts, max_model_len=64, kv_sequences=2)
+    names = fleet_systems()
+    for spec in system_specs(names, facts.num_layers):
+        args = morphserve_app_args(spec, plan, facts.hf_dir, "t")
+        assert args["num_replicas"] == 2 and parse_app_args(args).num_replicas == 2
+    base = morphserve_app_args(system_specs([FLEET_BASELINE], 4)[0], plan, "/m", "t")
+    if fleet_switches_available():  # the build has the fleet's switches: both sides run
+        assert names == (FLEET_BASELINE, FLEET_PRESSURE)
+        assert (base["fleet_controller"], base["pressure_router"]) == (False, False)
+        pressure = morphserve_app_args(system_specs([FLEET_PRESSURE], 4)[0], plan, "/m", "t")
+        assert (pressure["fleet_controller"], pressure["pressure_router"]) == (True, True)
+        assert "fleet_controller" in fleet_note(names)
+    else:  # only the baseline runs, and the report says why
+        assert names == (FLEET_BASELINE,) and "fleet_controller" not in base
+        assert "not measured" in fleet_note(names)
+        with pytest.raises(BenchmarkInputError, match="lacks"):
+            system_specs([FLEET_PRESSURE], 4)
+    assert fleet_note([STATIC_FP]) is None
+
+
 def test_vllm_gets_the_same_kv_bytes(facts):
     plan = plan_budget(facts, max_model_len=64, kv_sequences=2)
     cmd = vllm_command("/py", "/m", 9000, plan, "tiny")
@@ -125,6 +152,10 @@ def test_status_parsers_map_onto_the_plot_names():
                        "pressure": {"kv_usage": 0.5, "preemptions_total": 3}})
     assert morphserve_status(body) == {"quantized_layers": 7, "kv_capacity_blocks": 90, "kv_usage": 0.5,
                                        "preemptions_total": 3}
+    with_precisions = json.dumps({"morph_state": {"precisions": ["bf16", "int4", "bf16", "int8", "int4"]}})
+    assert morphserve_labels(with_precisions) == {"config": "int4:1,4;int8:3"}
+    assert morphserve_labels(json.dumps({"morph_state": {"precisions": ["bf16"] * 3}})) == {"config": "full"}
+    assert parse_label("int4:1,4;int8:3") == {1: "int4", 4: "int4", 3: "int8"} and parse_label("full") == {}
     metrics = ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n"
                "# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name=\"m\"} 2.0\n")
     assert vllm_status_parser()(metrics) == {"kv_usage": 0.25, "preemptions_total": 2.0}
@@ -133,27 +164,39 @@ def test_status_parsers_map_onto_the_plot_names():
 def test_quick_and_full_configs():
     quick = bench_config(parse_args(["--quick"]))
     assert quick.repeats == 1 and quick.systems == QUICK_SYSTEMS
+    assert quick.num_windows == 1 and quick.probe.num_requests > quick.probe.concurrency
     full = bench_config(parse_args(["--repeats", "4", "--window-s", "10", "--systems", VLLM, STATIC_FP]))
     assert full.repeats == 4 and full.window_s == 10 and full.systems == (VLLM, STATIC_FP)
-    assert workload_spec(full).window_s == 10
+    assert full.min_requests >= 120 and full.num_windows >= 3
+    assert full.fitting_repeats(replay_s=100.0, elapsed_s=0.0) == 4  # 2 systems x 160 s per repeat
+    assert BenchConfig(time_budget_s=1000.0).fitting_repeats(replay_s=200.0, elapsed_s=0.0) == 1  # never below 1
+    spec = workload_spec(full, time_scale=3.0)
+    assert spec.window_s == 10 and spec.time_scale == 3.0 and spec.multi_window
     with pytest.raises(BenchmarkInputError):
         BenchConfig(repeats=0)
 
 
-def _row(p95, violations, reduction=None):
-    return {"ttft_s.p95": spread([p95]), "slo_violations": spread([violations]),
-            "loss_reduction_vs_int4_full": spread([reduction])}
+def _row(p95, misses, agreement=None, reaction=None, episodes=0):
+    return {"ttft_s.p95": spread([p95]), "slo_violations": spread([misses]), "tf_agreement": spread([agreement]),
+            "reaction_median_s": spread([reaction]), "reaction_max_s": spread([reaction]),
+            "stall_episodes": spread([episodes])}
 
 
 def test_goal_lines_judge_the_medians():
-    table = {STATIC_FP: _row(10.0, 50), STATIC_INT4: _row(2.0, 5), "morphserve-balanced": _row(2.5, 5, 0.8),
+    table = {STATIC_FP: _row(10.0, 50, 0.99), STATIC_INT4: _row(2.0, 5, 0.89),
+             "morphserve-performance": _row(2.5, 5, 0.95, 0.2, 3), "morphserve-accuracy": _row(6.0, 40, 0.985, 0.3, 2),
              VLLM: _row(3.0, 20)}
-    text = "\n".join(goal_lines(table, {}))
-    assert "4.00x lower, 90% fewer violations -> REACHED" in text
-    assert "quality loss 80% lower, P95 TTFT 1.25x of INT4's -> REACHED" in text
-    assert "P95 TTFT 2.5 s vs 3 s, violations 5 vs 20 -> REACHED" in text
-    table["morphserve-balanced"] = _row(6.0, 30, 0.5)
-    assert "REACHED" not in "\n".join(goal_lines(table, {}))
+    text = "\n".join(goal_lines(table))
+    assert "median 200 ms (max 200 ms, 3 episodes), under by 50 ms -> REACHED" in text
+    assert "median 300 ms (max 300 ms, 2 episodes), over by 50 ms -> not reached" in text
+    assert "= 4.00x lower (goal 3x); misses 50 -> 5 = 90% fewer (goal 90%) -> REACHED" in text
+    assert "= 1.67x lower (goal 1.5x) -> REACHED" in text
+    # quality loss: accuracy 0.005 vs INT4's 0.1 -> 95% lower
+    assert "loss 95% lower -> REACHED" in text
+    assert "P95 TTFT 2.5 s vs 3 s, misses 5 vs 20 -> REACHED" in text
+    assert "P95 TTFT 6 s vs 3 s, misses 40 vs 20 -> not reached" in text
+    table[STATIC_FP] = _row(10.0, 0, 0.99)
+    assert "static FP missed no SLO" in "\n".join(goal_lines(table))
 
 
 def test_server_process_cleans_up_its_whole_session(tmp_path):

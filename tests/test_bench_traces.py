@@ -161,3 +161,26 @@ def test_build_prompts_one_per_request(tmp_path):
     assert [p.prompt_tokens for p in prompts] == [8, 400] and [p.target_tokens for p in prompts] == [8, 400]
     assert [p.request_index for p in prompts] == [0, 1]
     assert prompts[0].reference.startswith("answer ")
+
+
+def test_several_windows_do_not_overlap_and_reach_min_requests():
+    # Three bursts (12 requests in one second) at 5 s, 35 s and 65 s over a 1 req/s background.
+    arrivals = [float(s) for s in range(90)]
+    for burst in (5, 35, 65):
+        arrivals += [burst + k / 100 for k in range(12)]
+    trace = _trace(sorted(arrivals))
+    spec = WorkloadSpec(window_s=10, num_windows=2, min_requests=50, gap_s=3.0, time_scale=2.0)
+    w = build_workload(trace, spec)
+    starts = [win.offset_s for win in w.windows]
+    # Two windows hold 2 x (10 + 12) = 44 < 50 requests, so a third is taken; each holds one burst.
+    assert len(w.windows) == 3 and len(w.requests) == 66
+    assert all(b - a >= 10 for a, b in zip(starts, starts[1:]))
+    assert all(any(s <= burst < s + 10 for s in starts) for burst in (5, 35, 65))
+    # Replayed one after the other: window k starts at k x (10 s x 2 + 3 s).
+    assert w.window_starts_s == (0.0, 23.0, 46.0) and w.duration_s == 66.0
+    assert [w.window_of.count(k) for k in range(3)] == [22, 22, 22]
+    assert all(w.window_starts_s[k] <= r.arrival_s < w.window_starts_s[k] + 20
+               for r, k in zip(w.requests, w.window_of))
+    assert w.trace_peak_rps == 13.0  # 12 burst requests + the background one in that second
+    with pytest.raises(BenchmarkInputError, match="offset_s"):
+        WorkloadSpec(offset_s=1.0, num_windows=2)

@@ -107,6 +107,27 @@ def test_the_grant_moves_to_the_more_pressed_replica_without_ever_exceeding_the_
     assert status["totals"]["granted_layers"] == 4
 
 
+def test_max_quantized_is_derived_from_the_same_grant_the_fleet_allows():
+    """The fleet's allowance owns the share (`grant`); the engine's admission bound (`max_quantized`)
+    is the policy's cap of that same grant, so admission-time morphs cannot exceed the fleet budget."""
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4), clock=FakeClock())
+    first, second = SlowReplica("first", 0.99, 0.5), SlowReplica("second", 0.9, 0.15)
+    seen = []
+    for _ in range(30):
+        for r in (first, second):
+            d = fleet.report(r.replica_id, r.snapshot(), r.state)
+            r.apply(d)
+            seen.append(d)
+            assert d.grant is not None and d.max_quantized == d.grant  # nothing forced: the bound is the grant
+        assert sum(d.max_quantized for d in seen[-2:]) <= 4
+    assert {d.grant for d in seen if d.source == "controller"} >= {0, 4}
+    # A budget that forces layers raises the bound above a smaller grant, never the grant itself.
+    forced = dataclasses.replace(first.state, forced_quantized=6,
+                                 layer_precisions=(Precision.INT4,) * 6 + (Precision.BF16,) * (NUM_LAYERS - 6))
+    d = fleet.report("first", first.snapshot(), forced)
+    assert d.max_quantized == 6 and d.grant <= 4
+
+
 def test_a_forgotten_replica_gives_its_grant_back():
     clock = FakeClock()
     fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4, replica_timeout_s=2.0), clock=clock)

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from ops.bench import BenchmarkInputError
-from ops.bench.loadgen import (LoadGenConfig, LoadRequest, load_requests, prometheus_status_parser,
+from ops.bench.loadgen import (LoadGenConfig, LoadRequest, closed_loop, load_requests, prometheus_status_parser,
                                reference_answers, replay)
 from ops.bench.metrics import percentile
 from ops.bench.prompts import BenchPrompt
@@ -52,8 +52,17 @@ def server():
 
 def _serve(conn) -> None:
     bodies: list[dict] = []
+    in_flight = {"now": 0, "max": 0}
 
     async def complete(request):
+        in_flight["now"] += 1
+        in_flight["max"] = max(in_flight["max"], in_flight["now"])
+        try:
+            return await _complete(request)
+        finally:
+            in_flight["now"] -= 1
+
+    async def _complete(request):
         body = await request.json()
         bodies.append(body)
         chat = "messages" in body
@@ -67,6 +76,8 @@ def _serve(conn) -> None:
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             if prompt == "hang":
                 await asyncio.Event().wait()  # never set: the client's deadline must end this
+            if prompt == "slow":
+                await asyncio.sleep(0.02)
         usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 3 + body["max_tokens"]}
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage, 'queue_time_s': 0.125})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
@@ -78,12 +89,17 @@ def _serve(conn) -> None:
     async def seen(request):
         return web.json_response(bodies)
 
+    async def max_in_flight(request):
+        seen_max, in_flight["max"] = in_flight["max"], 0
+        return web.json_response(seen_max)
+
     async def main():
         app = web.Application()
         app.router.add_post("/v1/completions", complete)
         app.router.add_post("/v1/chat/completions", complete)
         app.router.add_get("/status", status)
         app.router.add_get("/bodies", seen)
+        app.router.add_get("/max_in_flight", max_in_flight)
         runner = web.AppRunner(app, handler_cancellation=True)  # a client disconnect ends the handler
         await runner.setup()
         sock = socket.socket()
@@ -172,3 +188,16 @@ def test_prometheus_status_parser_sums_label_sets():
     parse = prometheus_status_parser({"kv_usage": "vllm:kv_cache_usage_perc",
                                       "preemptions_total": "vllm:num_preemptions_total"})
     assert parse(text) == {"kv_usage": 0.5, "preemptions_total": 5.0}
+
+
+def test_closed_loop_keeps_concurrency_in_flight(server):
+    requests = [LoadRequest(f"c{i}", scheduled_s=0.0, prompt="slow", max_tokens=3) for i in range(12)]
+    urllib.request.urlopen(server.url + "/max_in_flight", timeout=10).read()  # reset the fake's counter
+    result = closed_loop(requests, LoadGenConfig(base_url=server.url, model="fake", deadline_s=30), concurrency=3)
+    with urllib.request.urlopen(server.url + "/max_in_flight", timeout=10) as resp:
+        assert json.loads(resp.read()) == 3
+    assert all(r.ok and r.output_tokens == 3 and r.served_prompt_tokens == 3 for r in result.records)
+    assert all(r.scheduled_s == r.sent_s for r in result.records)
+    # The 4th request waits for one of the first three: 3 tokens x 20 ms each.
+    first_ends = sorted(r.end_s for r in result.records[:3])
+    assert result.records[3].sent_s >= first_ends[0] - 1e-3

@@ -2,6 +2,8 @@
 HandleEngineClient (over a stand-in for a Ray Serve DeploymentHandle), and the FakeEngine itself."""
 from __future__ import annotations
 
+import json
+
 import asyncio
 import dataclasses
 import pickle
@@ -60,31 +62,48 @@ def test_sampling_fields_normalize_stop_and_top_k():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"n": 0}, "n"), ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"best_of": 2}, "best_of"), ({"guided_json": {}}, "guided_json"), ({"parallel_tool_calls": None}, None),
 ])
-def test_unsupported_chat_features_name_their_parameter(extra, param):
+def test_refused_chat_fields_name_their_parameter(extra, param):
     req = p.ChatCompletionRequest.model_validate(chat(**extra))
+    if param is None:  # its "off" value: accepted
+        req.check_supported()
+        return
     with pytest.raises(p.UnsupportedFeature) as info:
         req.check_supported()
     assert info.value.param == param
 
 
-@pytest.mark.parametrize("extra, param", [({"best_of": 2}, "best_of"), ({"logprobs": 1}, "logprobs"),
-                                          ({"echo": True}, "echo")])
-def test_unsupported_completion_features(extra, param):
-    req = p.CompletionRequest.model_validate({"model": "m", "prompt": "x", **extra})
-    with pytest.raises(p.UnsupportedFeature) as info:
-        req.check_supported()
-    assert info.value.param == param
+def test_unknown_fields_are_accepted_and_reported():
+    req = p.ChatCompletionRequest.model_validate(chat(frobnicate=1, tools=[]))
+    req.check_supported()
+    assert req.ignored_fields() == ["frobnicate"]
 
 
-def test_completion_prompt_forms():
-    assert p.CompletionRequest.model_validate({"model": "m", "prompt": ["one"]}).prompt == "one"
-    assert p.CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6]]}).prompt == [5, 6]
-    for bad in ("", [], ["a", "b"], [1, "a"], 3, [True]):
+def test_completion_prompt_forms_and_logprob_fields():
+    assert p.CompletionRequest.model_validate({"prompt": "one"}).prompts() == ["one"]
+    assert p.CompletionRequest.model_validate({"prompt": [5, 6]}).prompts() == [[5, 6]]
+    assert p.CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert p.CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    for bad in ("", [], ["a", ""], [1, "a"], 3, [True], [[1], "a", 2]):
         with pytest.raises(ValidationError):
             p.CompletionRequest.model_validate({"model": "m", "prompt": bad})
+    echo = p.CompletionRequest.model_validate({"prompt": "x", "echo": True, "logprobs": 2})
+    assert echo.logprob_fields() == {"logprobs": 2, "prompt_logprobs": 2}
+    chat_req = p.ChatCompletionRequest.model_validate(chat(logprobs=True, top_logprobs=3))
+    assert chat_req.logprob_fields() == {"logprobs": 3, "prompt_logprobs": None}
+
+
+def test_response_format_becomes_structured_output():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = p.ChatCompletionRequest.model_validate(chat(response_format={"type": "json_schema",
+                                                                       "json_schema": {"name": "x", "schema": schema}}))
+    spec = req.sampling_fields()["structured_output"]
+    assert spec.kind == "json_schema" and json.loads(spec.json_schema) == schema
+    assert p.ChatCompletionRequest.model_validate(chat(response_format={"type": "text"})).sampling_fields()[
+        "structured_output"] is None
 
 
 def test_error_body_has_the_openai_shape():
@@ -98,22 +117,36 @@ def _chunk(text, finish=None, prompt=3, out=1):
     return GenerateChunk("r", text, (1,) if text else (), finish, prompt, out)
 
 
-def test_chat_stream_renderer_order_and_usage():
-    render = p.chat_stream_renderer("chatcmpl-1", "m", include_usage=True)
-    first = render(_chunk("a"))
+def test_chat_stream_order_and_usage():
+    fmt = p.ChatFormatter("chatcmpl-1", "m", include_usage=True, want_logprobs=False)
+    choice = p.Choice(0)
+    first = fmt.stream(choice, _chunk("a"))
     assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first[1]["choices"][0]["delta"] == {"content": "a"} and first[1]["usage"] is None
-    last = render(_chunk("b", "length", out=2))
+    last = fmt.stream(choice, _chunk("b", "length", out=2))
     assert [c["choices"][0]["delta"] for c in last[:2]] == [{"content": "b"}, {}]
     assert last[1]["choices"][0]["finish_reason"] == "length"
-    assert last[2]["choices"] == [] and last[2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    usage = fmt.usage_chunk(p.usage_of([3], {0: _chunk("b", "length", out=2)}))
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
 def test_stream_chunks_carry_no_usage_key_unless_asked():
-    chat_render = p.chat_stream_renderer("c", "m", include_usage=False)
-    comp_render = p.completion_stream_renderer("c", "m", include_usage=False)
-    for out in (chat_render(_chunk("a", "stop")), comp_render(_chunk("a", "stop"))):
+    chat_fmt = p.ChatFormatter("c", "m", include_usage=False, want_logprobs=False)
+    comp_fmt = p.CompletionFormatter("c", "m", include_usage=False, want_logprobs=False)
+    for out in (chat_fmt.stream(p.Choice(0), _chunk("a", "stop")), comp_fmt.stream(p.Choice(0), _chunk("a", "stop"))):
         assert out and all("usage" not in c for c in out)
+
+
+def test_completion_logprobs_shape_with_echo():
+    from engine.logprobs import PositionLogprobs, TokenLogprob
+    pos = PositionLogprobs(TokenLogprob(7, -0.5, 2, "b"), (TokenLogprob(8, -0.1, 1, "c"),))
+    body = p.CompletionFormatter("c", "m", False, True).body(
+        [p.Choice(0, echo="ab", first_token="a", text="b", logprobs=[None, pos], finish_reason="length")],
+        p.Usage.of(1, 1))
+    lps = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == "abb"
+    assert lps == {"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"c": -0.1, "b": -0.5}],
+                   "text_offset": [0, 1]}
 
 
 # ---- records crossing the Ray boundary ---------------------------------------------------------

@@ -70,8 +70,8 @@ def test_a_fault_after_generators_advanced_rewinds_them(tiny_engine, monkeypatch
     bad = SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True)
     real_sample = llm_engine.sample
 
-    def sample_then_fail(logits, params, generators):
-        drawn = real_sample(logits, params, generators)
+    def sample_then_fail(logits, params, generators, *contexts):
+        drawn = real_sample(logits, params, generators, *contexts)
         if any(p is bad for p in params):
             raise RuntimeError("injected fault after sampling")
         return drawn

@@ -192,7 +192,10 @@ BAD_REQUESTS = [  # (body changes, status, param)
     ({"messages": [{"role": "user"}]}, 400, None),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
     ({"messages": []}, 400, None),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),  # issue 13: refused, not dropped
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}}, 400,
+     "response_format"),  # xgrammar cannot compile it
     ({"top_p": 1.5}, 400, "top_p"),
     # issue 12: values that used to reach the engine and fail there (500, or the whole batch)
     ({"top_k": 2**63}, 400, "top_k"),

@@ -235,15 +235,16 @@ def test_a_failing_round_does_not_stop_the_loop():
 
 
 # ---- the real application ---------------------------------------------------------------------
-# Budget: the weights (~271 MB bf16) + the activation reserve + a few dozen KV blocks (0.37 MB each),
-# max_num_seqs=4 so that a burst of 12 requests waits and the queue delay builds.
+# Budget: the weights (258.6 MiB bf16) + the activation reserve (12.5 MiB at 128 batched tokens) + 25 KV
+# blocks (0.35 MiB, 16 tokens each): a burst of 12 chats (~70 tokens each: 5 blocks) needs ~60 blocks,
+# so it queues for memory and the engine morphs at admission.
 ADMIN = "admin-morph-test"
 CONTROLLER = {"controller_name": "test-serve-morph-controller", "controller_namespace": "morphserve-test-morph"}
 MORPH_ARGS = {
-    "admin_token": ADMIN, "memory_budget": "300MiB", "mode": "performance", "report_interval_s": 0.1,
+    "admin_token": ADMIN, "memory_budget": "280MiB", "mode": "performance", "report_interval_s": 0.1,
     "controller_timeout_s": 0.3, "max_layers_per_step": 4,
     "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
-    "engine": {"max_model_len": 512, "max_num_seqs": 4, "max_num_batched_tokens": 128}, **CONTROLLER,
+    "engine": {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 128}, **CONTROLLER,
 }
 
 
@@ -301,6 +302,8 @@ def test_a_burst_swaps_layers_down_and_idle_restores_them(morph_app):
         results = traffic.stop()
     assert peak["morph_state"]["kv_capacity_blocks"] > base_blocks  # freed weight bytes went to the KV cache
     assert peak["action_results"].get("done", 0) >= 1
+    assert peak["admission"]["swaps"] >= 1 and peak["admission"]["grant"]["max_quantized"] == 30  # performance
+    assert peak["admission"]["events"][0]["kind"] == "swap"
     assert results and all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:3]
     assert all(body["choices"][0]["message"]["content"] for _, body in results)
     restored = until(lambda: (lambda s: s if s["morph_state"]["num_quantized"] == 0 else None)(admin_status(url, ADMIN)),
@@ -313,6 +316,8 @@ def test_a_burst_swaps_layers_down_and_idle_restores_them(morph_app):
     until(lambda: all(_counter(http("GET", agent)[1], "ray_morphserve_morph_actions_total", kind) > 0
                       for kind in ("swap_down", "restore", "kv_grow", "kv_shrink")), 60,
           "swap and resize counters in the exported metrics", every_s=1.0)
+    until(lambda: _counter(http("GET", agent)[1], "ray_morphserve_admission_morphs_total", "swap") > 0, 60,
+          "the admission-morph counter in the exported metrics", every_s=1.0)
 
 
 def _counter(text: str, name: str, kind: str) -> float:

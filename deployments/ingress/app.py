@@ -17,6 +17,14 @@ from deployments.ingress.settings import IngressSettings
 from deployments.metrics import ServeMetrics
 
 
+def morphserve_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("morphserve")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "0+unknown"
+
+
 def build_ingress_app(engine: EngineClient, settings: IngressSettings | None = None,
                       metrics: ServeMetrics | None = None) -> FastAPI:
     """The FastAPI app over `engine`. `metrics` defaults to ServeMetrics for the served model (Ray
@@ -55,7 +63,26 @@ def build_ingress_app(engine: EngineClient, settings: IngressSettings | None = N
     async def chat(request: Request, body: p.ChatCompletionRequest) -> Response:
         return await server.guarded(request, lambda: server.chat(request, body))
 
+    @v1.get("/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await server.guarded(request, lambda: server.model(model_id))
+
+    vllm = APIRouter(dependencies=[Depends(api_key_guard(server.settings))])  # vLLM's own routes
+
+    @vllm.post("/tokenize")
+    async def tokenize(request: Request, body: p.TokenizeRequest) -> Response:
+        return await server.guarded(request, lambda: server.tokenize(body))
+
+    @vllm.post("/detokenize")
+    async def detokenize(request: Request, body: p.DetokenizeRequest) -> Response:
+        return await server.guarded(request, lambda: server.detokenize(body))
+
+    async def version() -> dict:
+        return {"version": morphserve_version()}
+
     app.include_router(v1)
+    app.include_router(vllm)
+    app.add_api_route("/version", version, methods=["GET"])
     app.include_router(admin_router(server))
     app.add_api_route("/health", server.health, methods=["GET"])
     return app

@@ -7,6 +7,7 @@ semantics) is checked once, by the engine's SamplingParams, whose InvalidRequest
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -16,11 +17,13 @@ from deployments import protocol as p
 from deployments.engine_client import EngineClient, GenerateChunk, GenerateRequest, ModelInfo
 from deployments.ingress.errors import HTTPError, error_payload
 from deployments.ingress.settings import IngressSettings
-from deployments.ingress.sse import SSE_DONE, SSEResponse, close_stream, sse_event, unless_disconnected
+from deployments.ingress.fanout import close_all, first_chunks, merged
+from deployments.ingress.sse import SSE_DONE, SSEResponse, sse_event, unless_disconnected
 from deployments.metrics import RequestTimer, ServeMetrics
 from engine.sampling_params import SamplingParams
 
-Render = Callable[[GenerateChunk], list[dict]]
+Formatter = p.CompletionFormatter | p.ChatFormatter
+logger = logging.getLogger("morphserve.ingress")
 
 
 class IngressServer:
@@ -48,9 +51,9 @@ class IngressServer:
             return JSONResponse(body, status_code=status, headers=headers)
         return result if isinstance(result, Response) else JSONResponse(result)
 
-    async def checked_model(self, name: str) -> ModelInfo:
+    async def checked_model(self, name: str | None) -> ModelInfo:
         info = await self.model_info()
-        if name != info.served_model_name:
+        if name is not None and name != info.served_model_name:  # None: the one model served
             raise HTTPError(400, f"model {name!r} is not served here; use {info.served_model_name!r}",
                             param="model", code="model_not_found")
         return info
@@ -70,107 +73,148 @@ class IngressServer:
                             f"length ({info.max_model_len}); ask for at most {left}", param="max_tokens")
         return requested
 
-    async def respond(self, request: Request, gen: GenerateRequest, streaming: bool, render: Render,
-                      build: Callable[[str, GenerateChunk], dict], timer: RequestTimer) -> Response:
-        # Wait for the first chunk before answering, so that a refusal (400/503) is an HTTP status
+    async def respond(self, request: Request, gens: list[GenerateRequest], streaming: bool, fmt: Formatter,
+                      choices: list[p.Choice], prompt_tokens: list[int], timer: RequestTimer) -> Response:
+        # Wait for every first chunk before answering, so that a refusal (400/503) is an HTTP status
         # and not an error event inside a 200 stream.
-        stream = self.engine.generate(gen)
-        try:
-            first = await anext(stream)
-        except BaseException:
-            await close_stream(stream)
-            raise
+        streams = [self.engine.generate(g) for g in gens]
+        firsts = await first_chunks(streams)
         if streaming:
-            return SSEResponse(self.events(gen.request_id, first, stream, timer, render),
+            return SSEResponse(self.events(gens[0].request_id, firsts, streams, timer, fmt, choices, prompt_tokens),
                                headers={"Cache-Control": "no-cache"})
-        return await unless_disconnected(request, self.collect(first, stream, timer, build))
+        return await unless_disconnected(request, self.collect(firsts, streams, timer, fmt, choices, prompt_tokens))
 
-    async def collect(self, first: GenerateChunk, stream: AsyncIterator[GenerateChunk], timer: RequestTimer,
-                      build: Callable[[str, GenerateChunk], dict]) -> Response:
-        parts, last, finish = [], first, "abort"
-        chunk: GenerateChunk | None = first
+    async def collect(self, firsts: list[GenerateChunk], streams: list[AsyncIterator[GenerateChunk]],
+                      timer: RequestTimer, fmt: Formatter, choices: list[p.Choice], prompt_tokens: list[int]) -> Response:
+        lasts: dict[int, GenerateChunk] = dict(enumerate(firsts))
+        finish = "abort"
         try:
-            while chunk is not None:
+            async for i, chunk in merged(streams, firsts):
                 timer.on_tokens(len(chunk.token_ids))
-                parts.append(chunk.text)
-                last = chunk
-                chunk = None if chunk.finish_reason else await anext(stream, None)
-            finish = last.finish_reason or "abort"
+                choices[i].add(chunk)
+                lasts[i] = chunk
+            finish = lasts[0].finish_reason or "abort"
         except Exception:
             finish = "error"
             raise
         finally:
-            self.observe(timer, finish, last)
-            await close_stream(stream)
-        body = build("".join(parts), last)
-        if last.queue_time_s is not None and isinstance(body.get("usage"), dict):
-            body["usage"]["queue_time_s"] = last.queue_time_s
+            self.observe(timer, finish, prompt_tokens, lasts)
+            await close_all(streams)
+        body = fmt.body(choices, p.usage_of(prompt_tokens, lasts))
+        if lasts[0].queue_time_s is not None and isinstance(body.get("usage"), dict):
+            body["usage"]["queue_time_s"] = lasts[0].queue_time_s
         return JSONResponse(body)
 
-    async def events(self, rid: str, first: GenerateChunk, stream: AsyncIterator[GenerateChunk],
-                     timer: RequestTimer, render: Render) -> AsyncIterator[str]:
-        last, finish = first, "abort"  # stays "abort" when the client goes away mid-stream
-        chunk: GenerateChunk | None = first
+    async def events(self, rid: str, firsts: list[GenerateChunk], streams: list[AsyncIterator[GenerateChunk]],
+                     timer: RequestTimer, fmt: Formatter, choices: list[p.Choice],
+                     prompt_tokens: list[int]) -> AsyncIterator[str]:
+        lasts: dict[int, GenerateChunk] = dict(enumerate(firsts))
+        finish = "abort"  # stays "abort" when the client goes away mid-stream
         try:
-            while chunk is not None:
+            async for i, chunk in merged(streams, firsts):
                 timer.on_tokens(len(chunk.token_ids))
-                last = chunk
-                events = render(chunk)
+                lasts[i] = chunk
+                events = fmt.stream(choices[i], chunk)
                 if chunk.queue_time_s is not None and events:  # for load generators (ops/bench/loadgen.py)
                     events[-1] = {**events[-1], "queue_time_s": chunk.queue_time_s}
                 for data in events:
                     yield sse_event(data)
-                if chunk.finish_reason:
-                    finish = chunk.finish_reason
-                    break
-                chunk = await anext(stream, None)
+            finish = lasts[0].finish_reason or "abort"
+            if fmt.exclude is None:  # include_usage: one last chunk with the whole request's usage
+                yield sse_event(fmt.usage_chunk(p.usage_of(prompt_tokens, lasts)))
         except Exception as exc:  # noqa: BLE001 - the 200 is already sent; report it in the stream
             finish = "error"
             yield sse_event(self.error_payload(exc, rid)[1])
         finally:
-            self.observe(timer, finish, last)
-            await close_stream(stream)
+            self.observe(timer, finish, prompt_tokens, lasts)
+            await close_all(streams)
         yield SSE_DONE
 
-    def observe(self, timer: RequestTimer, finish: str, last: GenerateChunk) -> None:
+    def observe(self, timer: RequestTimer, finish: str, prompt_tokens: list[int],
+                lasts: dict[int, GenerateChunk]) -> None:
         if self.metrics is not None:
-            self.metrics.observe_request(timer.record(finish, last.num_prompt_tokens, last.num_output_tokens))
+            output = sum(c.num_output_tokens for c in lasts.values())
+            self.metrics.observe_request(timer.record(finish, sum(prompt_tokens), output))
 
     # ---- handlers ----
 
+    def _check_body(self, body: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int | None,
+                    info: ModelInfo) -> None:
+        body.check_supported()
+        choices = body.n * (len(body.prompts()) if isinstance(body, p.CompletionRequest) else 1)
+        if choices > self.settings.max_choices:
+            raise HTTPError(400, f"n x prompts = {choices} engine requests; this server allows at most "
+                            f"{self.settings.max_choices} per request", param="n")
+        check_sampling(body, max_tokens, info)
+        ignored = body.ignored_fields()
+        if ignored:  # vLLM's behaviour: accepted, logged, not used
+            logger.warning("request fields %s are not part of the API and were ignored", ignored)
+
+    async def _prompt_ids(self, info: ModelInfo, prompt: str | list[int], echo: bool) -> tuple[list[int], str]:
+        """Token ids (BOS added as the tokenizer adds it, as vLLM does on /v1/completions) and, for
+        echo, the prompt text."""
+        if isinstance(prompt, str):
+            return await self.engine.tokenize(prompt, add_special_tokens=True), prompt
+        if any(not 0 <= t < info.vocab_size for t in prompt):
+            raise HTTPError(400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt")
+        return list(prompt), (await self.engine.detokenize(list(prompt)) if echo else "")
+
     async def completions(self, request: Request, body: p.CompletionRequest) -> Response:
         timer, rid = RequestTimer(), _request_id(request, "cmpl")
-        body.check_supported()
         info = await self.checked_model(body.model)
-        check_sampling(body, body.max_tokens, info)
-        if isinstance(body.prompt, str):
-            ids = await self.engine.tokenize(body.prompt)
-        else:
-            ids = body.prompt
-            if any(not 0 <= t < info.vocab_size for t in ids):
-                raise HTTPError(400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt")
-        max_tokens = self.max_tokens(info, len(ids), body.max_tokens, self.settings.completion_max_tokens, "prompt")
-        gen = GenerateRequest(rid, tuple(ids), max_tokens, **body.sampling_fields())
-        render = p.completion_stream_renderer(rid, info.served_model_name, body.include_usage)
-        build = lambda text, last: p.completion_body(rid, info.served_model_name, text, last)  # noqa: E731
-        return await self.respond(request, gen, body.stream, render, build, timer)
+        self._check_body(body, body.max_tokens, info)
+        sampling = {**body.sampling_fields(), **body.logprob_fields()}
+        fmt = p.CompletionFormatter(rid, info.served_model_name, body.include_usage, body.logprobs is not None)
+        gens, choices, prompt_tokens = [], [], []
+        for k, prompt in enumerate(body.prompts()):
+            ids, text = await self._prompt_ids(info, prompt, body.echo)
+            first = await self.engine.detokenize(ids[:1]) if body.echo and body.logprobs is not None else ""
+            max_tokens = self.max_tokens(info, len(ids), body.max_tokens, self.settings.completion_max_tokens, "prompt")
+            prompt_tokens.append(len(ids))
+            for j in range(body.n):
+                index = k * body.n + j
+                gens.append(GenerateRequest(_child_id(rid, index, len(body.prompts()) * body.n), tuple(ids),
+                                            max_tokens, **_child_seed(sampling, j)))
+                choices.append(p.Choice(index, echo=text if body.echo else "", first_token=first))
+        return await self.respond(request, gens, body.stream, fmt, choices, prompt_tokens, timer)
 
     async def chat(self, request: Request, body: p.ChatCompletionRequest) -> Response:
         timer, rid = RequestTimer(), _request_id(request, "chatcmpl")
-        body.check_supported()
         info = await self.checked_model(body.model)
-        check_sampling(body, body.requested_max_tokens(), info)
+        self._check_body(body, body.requested_max_tokens(), info)
         ids = await self.engine.tokenize_chat(body.chat_messages())
         max_tokens = self.max_tokens(info, len(ids), body.requested_max_tokens(), None, "messages")
-        gen = GenerateRequest(rid, tuple(ids), max_tokens, **body.sampling_fields())
-        render = p.chat_stream_renderer(rid, info.served_model_name, body.include_usage)
-        build = lambda text, last: p.chat_body(rid, info.served_model_name, text, last)  # noqa: E731
-        return await self.respond(request, gen, body.stream, render, build, timer)
+        sampling = {**body.sampling_fields(), **body.logprob_fields()}
+        gens = [GenerateRequest(_child_id(rid, j, body.n), tuple(ids), max_tokens, **_child_seed(sampling, j))
+                for j in range(body.n)]
+        fmt = p.ChatFormatter(rid, info.served_model_name, body.include_usage, body.logprobs)
+        return await self.respond(request, gens, body.stream, fmt, [p.Choice(j) for j in range(body.n)], [len(ids)], timer)
 
     async def models(self) -> dict:
         info = await self.model_info()
         card = p.ModelCard(id=info.served_model_name, created=info.created, max_model_len=info.max_model_len)
         return p.ModelList(data=[card]).model_dump()
+
+    async def model(self, model_id: str) -> dict:
+        info = await self.model_info()
+        if model_id != info.served_model_name:
+            raise HTTPError(404, f"model {model_id!r} does not exist; this server serves {info.served_model_name!r}",
+                            param="model", code="model_not_found")
+        return p.ModelCard(id=info.served_model_name, created=info.created, max_model_len=info.max_model_len).model_dump()
+
+    async def tokenize(self, body: p.TokenizeRequest) -> dict:
+        info = await self.checked_model(body.model)
+        if body.messages is not None:
+            ids = await self.engine.tokenize_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        elif body.prompt is not None:
+            ids = await self.engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise HTTPError(400, "send either prompt or messages", param="prompt")
+        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: p.DetokenizeRequest) -> dict:
+        await self.checked_model(body.model)
+        return {"prompt": await self.engine.detokenize(body.tokens)}
 
     async def health(self) -> Response:
         try:
@@ -185,9 +229,23 @@ def check_sampling(body: p.ChatCompletionRequest | p.CompletionRequest, max_toke
                    info: ModelInfo) -> None:
     """Fail fast, before any tokenizing or queueing, with the engine's own validator and limits (the
     engine checks the same again; nothing here decides what a value means)."""
-    params = SamplingParams.create(max_tokens=max_tokens, **body.sampling_fields())
+    if max_tokens is None:  # the context decides it later: check min_tokens against itself here
+        max_tokens = max(1, body.min_tokens)
+    params = SamplingParams.create(max_tokens=max_tokens, **body.sampling_fields(), **body.logprob_fields())
     if info.stop_limits is not None:
         params.check_stop_limits(*info.stop_limits)
+
+
+def _child_id(rid: str, index: int, total: int) -> str:
+    """The engine request id of choice `index` (the HTTP id itself when there is one choice)."""
+    return rid if total == 1 else f"{rid}-{index}"
+
+
+def _child_seed(sampling: dict[str, Any], j: int) -> dict[str, Any]:
+    """Choice j of n draws with seed + j: a seeded request is reproducible and its n choices differ."""
+    if sampling.get("seed") is None or j == 0:
+        return sampling
+    return {**sampling, "seed": sampling["seed"] + j}
 
 
 def _request_id(request: Request, prefix: str) -> str:

@@ -1,66 +1,107 @@
 """Engine chunks -> OpenAI bodies: the whole answer, and stream chunks in OpenAI's order (the
-ingress streams or collects; these only format)."""
+ingress streams or collects; these only format).
+
+A request fans out to several engine requests (n choices per prompt, several prompts): choice
+index = prompt index x n + j, as vLLM numbers them. Usage counts each prompt once and every
+choice's tokens.
+"""
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable
 
 from deployments.engine_client import GenerateChunk
+from deployments.protocol.logprobs import chat_logprobs, completion_logprobs
 from deployments.protocol.responses import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
                                             ChatDelta, ChatStreamChoice, CompletionChoice, CompletionResponse, Usage)
 
 
-def completion_body(rid: str, model: str, text: str, last: GenerateChunk) -> dict:
-    choice = CompletionChoice(text=text, finish_reason=last.finish_reason or "abort")
-    usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens)
-    return CompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
+@dataclasses.dataclass
+class Choice:
+    """One choice as it is collected (non-streaming) or streamed."""
+    index: int
+    echo: str = ""  # completions with echo: the prompt text, sent before the generated text
+    first_token: str = ""  # the first prompt token's text (echo + logprobs)
+    text: str = ""
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False
+    text_offset: int = 0  # characters sent so far (completion logprobs' text_offset)
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.text += chunk.text
+        if chunk.prompt_logprobs is not None:
+            self.logprobs.extend(chunk.prompt_logprobs)
+        if chunk.logprobs is not None:
+            self.logprobs.extend(chunk.logprobs)
+        self.finish_reason = chunk.finish_reason or self.finish_reason
 
 
-def chat_body(rid: str, model: str, text: str, last: GenerateChunk) -> dict:
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason or "abort")
-    usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens)
-    return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
+def usage_of(prompt_tokens: list[int], chunks_by_choice: dict[int, GenerateChunk]) -> Usage:
+    return Usage.of(sum(prompt_tokens), sum(c.num_output_tokens for c in chunks_by_choice.values()))
 
 
-def completion_stream_renderer(rid: str, model: str, include_usage: bool) -> Callable[[GenerateChunk], list[dict]]:
-    created = int(time.time())
-    exclude = None if include_usage else {"usage"}  # OpenAI: "usage": null on every chunk only when asked
+class CompletionFormatter:
+    def __init__(self, rid: str, model: str, include_usage: bool, want_logprobs: bool):
+        self.rid, self.model, self.want_logprobs = rid, model, want_logprobs
+        self.created = int(time.time())
+        self.exclude = None if include_usage else {"usage"}  # OpenAI: "usage": null on chunks only when asked
 
-    def render(chunk: GenerateChunk) -> list[dict]:
+    def _logprobs(self, c: Choice, positions: list, offset: int) -> dict | None:
+        return completion_logprobs(positions, offset, c.first_token) if self.want_logprobs else None
+
+    def body(self, choices: list[Choice], usage: Usage) -> dict:
+        out = [CompletionChoice(index=c.index, text=c.echo + c.text, finish_reason=c.finish_reason or "abort",
+                                logprobs=self._logprobs(c, c.logprobs, 0)) for c in choices]
+        return CompletionResponse(id=self.rid, model=self.model, choices=out, usage=usage).model_dump()
+
+    def stream(self, c: Choice, chunk: GenerateChunk) -> list[dict]:
+        text = chunk.text if c.started else c.echo + chunk.text
+        c.started = True
+        positions = list(chunk.prompt_logprobs or ()) + list(chunk.logprobs or ())
+        if not (text or chunk.finish_reason or positions):
+            return []
+        choice = CompletionChoice(index=c.index, text=text, finish_reason=chunk.finish_reason,
+                                  logprobs=self._logprobs(c, positions, c.text_offset))
+        c.text_offset += len(text)
+        return [CompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                   choices=[choice]).model_dump(exclude=self.exclude)]
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
+                                  usage=usage).model_dump()
+
+
+class ChatFormatter:
+    """Stream: per choice, first the assistant role, then content deltas, then an empty delta with
+    finish_reason; at the very end, when asked, a chunk with no choices and the usage (OpenAI's order)."""
+
+    def __init__(self, rid: str, model: str, include_usage: bool, want_logprobs: bool):
+        self.rid, self.model, self.want_logprobs = rid, model, want_logprobs
+        self.created = int(time.time())
+        self.exclude = None if include_usage else {"usage"}
+
+    def body(self, choices: list[Choice], usage: Usage) -> dict:
+        out = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason or "abort",
+                          logprobs=chat_logprobs(c.logprobs) if self.want_logprobs else None) for c in choices]
+        return ChatCompletionResponse(id=self.rid, model=self.model, choices=out, usage=usage).model_dump()
+
+    def _make(self, choice: ChatStreamChoice | None, usage: Usage | None = None) -> dict:
+        chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                    choices=[] if choice is None else [choice], usage=usage)
+        return chunk.model_dump(exclude=None if usage else self.exclude)
+
+    def stream(self, c: Choice, chunk: GenerateChunk) -> list[dict]:
         out = []
-        if chunk.text or chunk.finish_reason:
-            choice = CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)
-            out.append(CompletionResponse(id=rid, created=created, model=model, choices=[choice]).model_dump(exclude=exclude))
-        if chunk.finish_reason and include_usage:
-            usage = Usage.of(chunk.num_prompt_tokens, chunk.num_output_tokens)
-            out.append(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage).model_dump())
-        return out
-
-    return render
-
-
-def chat_stream_renderer(rid: str, model: str, include_usage: bool) -> Callable[[GenerateChunk], list[dict]]:
-    """First chunk: the assistant role; then content deltas; then an empty delta with finish_reason;
-    then, when asked, a chunk with no choices and the usage (OpenAI's order)."""
-    created, started = int(time.time()), [False]
-    exclude = None if include_usage else {"usage"}
-
-    def make(delta: ChatDelta | None, finish: str | None = None, usage: Usage | None = None) -> dict:
-        choices = [] if delta is None else [ChatStreamChoice(delta=delta, finish_reason=finish)]
-        chunk = ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
-        return chunk.model_dump(exclude=None if usage else exclude)
-
-    def render(chunk: GenerateChunk) -> list[dict]:
-        out = []
-        if not started[0]:
-            started[0] = True
-            out.append(make(ChatDelta(role="assistant", content="")))
-        if chunk.text:
-            out.append(make(ChatDelta(content=chunk.text)))
+        if not c.started:
+            c.started = True
+            out.append(self._make(ChatStreamChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))))
+        lps = chat_logprobs(chunk.logprobs) if self.want_logprobs and chunk.logprobs else None
+        if chunk.text or lps:
+            out.append(self._make(ChatStreamChoice(index=c.index, delta=ChatDelta(content=chunk.text), logprobs=lps)))
         if chunk.finish_reason:
-            out.append(make(ChatDelta(), chunk.finish_reason))
-            if include_usage:
-                out.append(make(None, usage=Usage.of(chunk.num_prompt_tokens, chunk.num_output_tokens)))
+            out.append(self._make(ChatStreamChoice(index=c.index, delta=ChatDelta(), finish_reason=chunk.finish_reason)))
         return out
 
-    return render
+    def usage_chunk(self, usage: Usage) -> dict:
+        return self._make(None, usage=usage)

@@ -29,7 +29,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: dict | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -51,7 +51,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: dict | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -76,7 +76,7 @@ class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: dict | None = None
 
 
 class ChatCompletionChunk(BaseModel):

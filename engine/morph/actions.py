@@ -57,6 +57,7 @@ class MorphState:
     kv_max_blocks: int
     pending: tuple[MorphAction, ...] = ()  # accepted actions not finished (e.g. waiting restores)
     morphing_enabled: bool = True
+    forced_quantized: int = 0  # layers the memory budget forces below full precision (a floor for every cap)
 
     @property
     def num_quantized(self) -> int:

@@ -32,14 +32,16 @@ logger = logging.getLogger(__name__)
 
 class MorphExecutor:
     def __init__(self, model, ledger, kv_resizer, pool, host_store: HostStore, swap_order: SwapOrder,
-                 ladder: tuple[Precision, ...]):
-        """`ladder` starts at the full precision, e.g. (BF16, INT8, INT4)."""
+                 ladder: tuple[Precision, ...], forced_quantized: int = 0):
+        """`ladder` starts at the full precision, e.g. (BF16, INT8, INT4). `forced_quantized`: layers
+        the budget made the engine start with at the lowest rung (no policy may restore below it)."""
         swap_order.check_integrity(len(model.layers))
         missing = [p.value for p in ladder if p not in host_store.precisions]
         if missing:
             raise ValueError(f"the host store lacks precisions {missing} of the ladder")
         self.model, self.ledger, self.kv_resizer, self.pool = model, ledger, kv_resizer, pool
         self.swap_order, self.ladder = swap_order, tuple(ladder)
+        self.forced_quantized = forced_quantized
         self.swapper = LayerSwapper(model, host_store, ledger, kv_resizer)
         self._pending: list[MorphAction] = []
 
@@ -151,7 +153,8 @@ class MorphExecutor:
         return MorphState(layer_precisions=self.swapper.precisions(), full_precision=self.full_precision,
                           swap_order=self.swap_order.order, swap_order_source=self.swap_order.source,
                           kv_capacity_blocks=self.pool.capacity, kv_max_blocks=self.pool.max_blocks,
-                          pending=tuple(self._pending), morphing_enabled=True)
+                          pending=tuple(self._pending), morphing_enabled=True,
+                          forced_quantized=self.forced_quantized)
 
     def close(self) -> None:
         """Stop the prefetch worker (the engine's close())."""

@@ -52,6 +52,7 @@ class RequestRecord:
     prompt_tokens: int
     error: str | None
     queue_s: float | None = None  # server-reported queueing delay, when the server sends one
+    served_prompt_tokens: int | None = None  # the server's usage.prompt_tokens (chat template included)
 
     @property
     def ok(self) -> bool:
@@ -67,6 +68,7 @@ class ServerSample:
     """One poll of the server's status endpoint: numeric values by name (e.g. "kv_usage")."""
     t_s: float
     values: Mapping[str, float]
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # e.g. "config": layer precisions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +167,47 @@ async def run_load(requests: Sequence[LoadRequest], config: LoadGenConfig) -> Lo
                       deadline_hit=deadline_hit)
 
 
+def closed_loop(requests: Sequence[LoadRequest], config: LoadGenConfig, concurrency: int) -> LoadResult:
+    """Synchronous entry point of `run_closed_loop`."""
+    return asyncio.run(run_closed_loop(requests, config, concurrency))
+
+
+async def run_closed_loop(requests: Sequence[LoadRequest], config: LoadGenConfig, concurrency: int) -> LoadResult:
+    """Closed loop: `concurrency` requests in flight, the next (in input order) sent as soon as one
+    ends; scheduled times are ignored (each record's scheduled_s is its send time). Bounded by
+    config.deadline_s like the open loop; requests not done by then are failed records."""
+    _check_requests(requests, config)
+    if concurrency < 1:
+        raise BenchmarkInputError(f"concurrency={concurrency}: use at least 1")
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    records: list[RequestRecord | None] = [None] * len(requests)
+    progress = [_Progress() for _ in requests]
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter() + config.start_delay_s
+        clock = lambda: time.perf_counter() - t0  # noqa: E731
+        pending = iter(range(len(requests)))  # shared by the workers: each index is taken once
+
+        async def worker() -> None:
+            for i in pending:
+                if clock() < 0:
+                    await asyncio.sleep(-clock())
+                record = await _send_one(session, requests[i], config, clock, progress[i])
+                records[i] = dataclasses.replace(record, scheduled_s=record.sent_s)
+
+        workers = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(requests)))]
+        deadline_hit = False
+        try:
+            await asyncio.wait_for(asyncio.gather(*workers), timeout=config.deadline_s + config.start_delay_s)
+        except asyncio.TimeoutError:
+            deadline_hit = True
+    out = tuple(r if r is not None else dataclasses.replace(
+        _failed(requests[i], progress[i], "deadline exceeded", end_s=config.deadline_s),
+        scheduled_s=progress[i].sent_s or 0.0) for i, r in enumerate(records))
+    ends = [r.end_s for r in out if r.end_s is not None]
+    return LoadResult(records=out, samples=(), duration_s=max(ends, default=0.0), deadline_hit=deadline_hit)
+
+
 def _check_requests(requests: Sequence[LoadRequest], config: LoadGenConfig) -> None:
     if len({r.request_id for r in requests}) != len(requests):
         raise BenchmarkInputError("request ids repeat; give every request its own id")
@@ -208,6 +251,7 @@ class _Progress:
     times: list[float] = dataclasses.field(default_factory=list)
     text: list[str] = dataclasses.field(default_factory=list)
     usage_tokens: int | None = None
+    usage_prompt_tokens: int | None = None
     queue_s: float | None = None
 
 
@@ -246,7 +290,8 @@ async def _send_one(session: aiohttp.ClientSession, request: LoadRequest, config
                          first_token_s=state.times[0] if state.times else None, token_times_s=tuple(state.times),
                          end_s=end, status=state.status, output_text="".join(state.text),
                          output_tokens=state.usage_tokens if state.usage_tokens is not None else len(state.times),
-                         prompt_tokens=request.prompt_tokens, error=error, queue_s=state.queue_s)
+                         prompt_tokens=request.prompt_tokens, error=error, queue_s=state.queue_s,
+                         served_prompt_tokens=state.usage_prompt_tokens)
 
 
 def _on_line(raw: bytes, state: _Progress, clock, api: str) -> bool:
@@ -266,6 +311,8 @@ def _on_line(raw: bytes, state: _Progress, clock, api: str) -> bool:
     usage = event.get("usage") or {}
     if usage.get("completion_tokens") is not None:
         state.usage_tokens = int(usage["completion_tokens"])
+    if usage.get("prompt_tokens") is not None:
+        state.usage_prompt_tokens = int(usage["prompt_tokens"])
     queue = event.get("queue_time_s", usage.get("queue_time_s"))
     if queue is not None:
         state.queue_s = float(queue)

@@ -123,6 +123,15 @@ def counter_increase(samples: Sequence[ServerSample], name: str) -> int | None:
     return int(values[-1] - values[0]) if len(values) >= 2 else None
 
 
+def integral(samples: Sequence[ServerSample], name: str) -> float | None:
+    """Step integral (value held until the next sample) of a sampled value over the run, e.g.
+    quantized layers -> quantized layer-seconds; None when the server does not report it."""
+    points = sorted((s.t_s, s.values[name]) for s in samples if name in s.values)
+    if len(points) < 2:
+        return None
+    return sum(v * (t2 - t1) for (t1, v), (t2, _) in zip(points, points[1:]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Spread:
     """One metric over repeats: median with the min-max range (n = repeats that had a value)."""

@@ -16,7 +16,8 @@ from typing import Mapping, Sequence
 
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import RequestRecord, ServerSample
-from ops.bench.metrics import RunMetrics, Spread, aggregate, compute_run_metrics, request_ttft, spread
+from ops.bench.metrics import RunMetrics, Spread, aggregate, compute_run_metrics, spread
+from ops.bench.reaction import ReactionSummary
 from ops.quality.rouge import agreement, quality_loss_reduction
 
 
@@ -34,6 +35,11 @@ class SystemRun:
     records: tuple[RequestRecord, ...]
     timeline: tuple[ServerSample, ...] = ()
     quality: QualityNumbers | None = None
+    reaction: ReactionSummary | None = None  # ops/bench/reaction.py
+    tf_agreement: float | None = None  # teacher-forced top-1 agreement with full precision (served_quality.py)
+    weighted_ppl: float | None = None  # WikiText-2 perplexity of its configurations, token-weighted
+    quantized_layer_s: float | None = None  # integral of quantized layers over the run (sampled)
+    engine_blocked_s: tuple[float, ...] = ()  # reaction.engine_blocked_waits: the engine's own head waits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,9 @@ class BenchSettings:
     static_int4_system: str | None  # baseline of "quality loss reduction"
     commands: tuple[str, ...] = ()  # how it was run
     notes: tuple[str, ...] = ()
+    calibration: str = ""  # Calibration.describe()
+    crosscheck: tuple[str, ...] = ()  # crosscheck.describe()
+    goals: tuple[str, ...] = ()  # goals.goal_lines()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,18 +105,35 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row = aggregate([run_metrics(r, s.slo_ttft_s) for r in runs])
         row["rouge_l_vs_full"] = spread(r.quality.rouge_l_vs_full for r in runs if r.quality)
         row["rouge_l_vs_reference"] = spread(r.quality.rouge_l_vs_reference for r in runs if r.quality)
+        row["tf_agreement"] = spread(r.tf_agreement for r in runs)
+        row["weighted_ppl"] = spread(r.weighted_ppl for r in runs)
+        row["quantized_layer_s"] = spread(r.quantized_layer_s for r in runs)
+        row["stall_episodes"] = spread(len(r.reaction.episodes) if r.reaction else None for r in runs)
+        row["reaction_median_s"] = spread(r.reaction.median_s if r.reaction else None for r in runs)
+        row["reaction_max_s"] = spread(r.reaction.max_s if r.reaction else None for r in runs)
+        row["engine_blocked_median_s"] = spread(_median_or_none(r.engine_blocked_s) for r in runs)
         table[system] = row
     fp_ref = _median(table.get(s.full_precision_system, {}), "rouge_l_vs_reference")
     for row in table.values():
         vs_full, vs_ref = _median(row, "rouge_l_vs_full"), _median(row, "rouge_l_vs_reference")
         row["loss_vs_full"] = spread([None if vs_full is None else 1 - vs_full])
         row["loss_vs_reference"] = spread([None if vs_ref is None or fp_ref is None else fp_ref - vs_ref])
+    fp_tf = _median(table.get(s.full_precision_system, {}), "tf_agreement")
+    for row in table.values():
+        tf = _median(row, "tf_agreement")
+        row["loss_vs_full_tf"] = spread([None if tf is None or fp_tf is None else fp_tf - tf])
     int4 = table.get(s.static_int4_system or "", {})
     for row in table.values():
-        for kind in ("full", "reference"):
+        for kind in ("full", "reference", "full_tf"):
             reduction = quality_loss_reduction(_median(row, f"loss_vs_{kind}"), _median(int4, f"loss_vs_{kind}"))
             row[f"loss_reduction_vs_int4_{kind}"] = spread([reduction])
     return table
+
+
+def _median_or_none(values: Sequence[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
 
 
 def _median(row: Mapping[str, Spread], key: str) -> float | None:
@@ -124,7 +150,9 @@ def build_report(results: BenchResults, out_dir: str | Path) -> ReportPaths:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = summarize(results)
-    plots = _plots(results, table, out)
+    from ops.bench.report_plots import plots as draw_plots
+
+    plots = draw_plots(results, table, out)
     md = out / "report.md"
     md.write_text(_markdown(results, table, [p.name for p in plots]), encoding="utf-8")
     js = out / "results.json"
@@ -143,7 +171,14 @@ _TABLES = (
                                   ("throughput (tok/s)", "throughput_tok_s"), ("queue P95 (s)", "queue_s.p95"),
                                   ("preemptions", "preemptions"), ("ok / sent", "num_ok"),
                                   ("client send lag P99 (s)", "send_lag_p99_s"))),
-    ("Quality (ROUGE-L F1)", (("vs full precision", "rouge_l_vs_full"), ("vs reference answer", "rouge_l_vs_reference"),
+    ("Reaction to bursts (from the first arrival that did not fit in KV to the capacity that admits it)",
+     (("episodes", "stall_episodes"), ("reaction median (s)", "reaction_median_s"), ("reaction max (s)", "reaction_max_s"),
+      ("engine-reported head wait median (s)", "engine_blocked_median_s"),
+      ("quantized layer-seconds", "quantized_layer_s"))),
+    ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
+                                    ("quality loss reduction vs static INT4 (teacher-forced)", "loss_reduction_vs_int4_full_tf"),
+                                    ("WikiText-2 perplexity, token-weighted over configurations", "weighted_ppl"))),
+    ("Quality, secondary (ROUGE-L F1)", (("vs full precision", "rouge_l_vs_full"), ("vs reference answer", "rouge_l_vs_reference"),
                               ("loss reduction vs static INT4 (vs full)", "loss_reduction_vs_int4_full"),
                               ("loss reduction vs static INT4 (vs reference)", "loss_reduction_vs_int4_reference"))),
 )
@@ -157,9 +192,15 @@ def _markdown(results: BenchResults, table: dict[str, dict[str, Spread]], plots:
              f"- TTFT SLO: {s.slo_ttft_s:g} s (failed requests count as violations)",
              f"- workload: {s.workload}", "- repeats: " + ", ".join(f"{k} x{v}" for k, v in repeats.items()),
              f"- quality reference: {s.full_precision_system}; loss-reduction baseline: {s.static_int4_system}",
-             "- quality loss: vs full = 1 - ROUGE-L(system, full); vs reference = ROUGE-L(full, ref) - "
-             "ROUGE-L(system, ref); reduction = 1 - loss(system) / loss(static INT4)"]
+             "- quality loss: teacher-forced = agreement(static FP) - agreement(system); ROUGE-L vs full = 1 - "
+             "ROUGE-L(system, full); vs reference = ROUGE-L(full, ref) - ROUGE-L(system, ref); reduction = 1 - "
+             "loss(system) / loss(static INT4)"]
+    if s.calibration:
+        lines.append(f"- load calibration: {s.calibration}")
     lines += [f"- note: {n}" for n in s.notes]
+    lines += ["", "## Goals (issue 10)", ""] + ([f"- {g}" for g in s.goals] or ["- (not checked)"])
+    lines += ["", "## Cross-check: our load generator vs `vllm bench serve`", ""] + (
+        [f"- {c}" for c in s.crosscheck] or ["- (not run)"])
     for title, columns in _TABLES:
         lines += ["", f"## {title}", "", "| system | " + " | ".join(c for c, _ in columns) + " |",
                   "|---" * (len(columns) + 1) + "|"]
@@ -178,13 +219,25 @@ def _cell(row: dict[str, Spread], key: str, total: Spread) -> str:
     return row[key].format(digits=0 if key == "preemptions" else 3)
 
 
+_FLAGS = re.compile(r"^(avx2|avx512\w*|amx\w*|fma|f16c)$")
+
+
 def machine_facts() -> dict[str, str]:
     facts = {"platform": platform.platform(), "python": platform.python_version(),
              "logical CPUs": str(os.cpu_count())}
     try:
+        import torch
+
+        facts["torch CPU capability"] = str(torch.backends.cpu.get_cpu_capability())
+    except (ImportError, AttributeError):
+        pass
+    try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
         facts["CPU"] = model.group(1).strip() if model else "unknown"
+        flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+        if flags:
+            facts["CPU flags (vector/matrix)"] = " ".join(sorted(f for f in flags.group(1).split() if _FLAGS.match(f)))
         meminfo = Path("/proc/meminfo").read_text()
         for key, label in (("MemTotal", "memory total"), ("MemAvailable", "memory available at report time")):
             kb = re.search(rf"^{key}:\s*(\d+) kB", meminfo, re.M)
@@ -205,99 +258,9 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
         "runs": [{"system": r.system, "repeat": r.repeat,
                   "metrics": run_metrics(r, s.slo_ttft_s).flat(),
                   "quality": dataclasses.asdict(r.quality) if r.quality else None,
-                  "timeline": [{"t_s": x.t_s, **x.values} for x in r.timeline],
+                  "tf_agreement": r.tf_agreement, "weighted_ppl": r.weighted_ppl,
+                  "quantized_layer_s": r.quantized_layer_s,
+                  "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
+                  "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],
                   "requests": [dataclasses.asdict(x) for x in r.records]} for r in results.runs],
     }
-
-
-# --- plots (matplotlib's Figure API: no pyplot state, no display needed) ---------------------------
-
-def _plots(results: BenchResults, table: dict[str, dict[str, Spread]], out: Path) -> list[Path]:
-    slo = results.settings.slo_ttft_s
-    paths = [_timeline(system, results.runs_of(system)[0], slo, out / f"timeline_{_slug(system)}.png")
-             for system in results.systems()]
-    paths.append(_ttft_cdf(results, slo, out / "ttft_cdf.png"))
-    paths.append(_quality_vs_ttft(table, out / "quality_vs_p95_ttft.png"))
-    return paths
-
-
-def _timeline(system: str, run: SystemRun, slo: float, path: Path) -> Path:
-    """Arrival rate, KV usage and capacity, quantized layers, and TTFT per request on one time axis
-    (the run's first repeat)."""
-    from matplotlib.figure import Figure
-    from ops.bench.workload import arrival_counts
-
-    fig = Figure(figsize=(10, 9), layout="constrained")
-    ax = fig.subplots(4, 1, sharex=True)
-    arrivals = [r.scheduled_s for r in run.records]
-    bin_s = min(1.0, max(arrivals, default=0.0) / 30) or 1.0  # ~30+ bins even for compressed replays
-    counts = arrival_counts(arrivals, bin_s=bin_s)
-    ax[0].stairs(counts / bin_s, [i * bin_s for i in range(len(counts) + 1)])
-    ax[0].set_ylabel(f"arrivals / s ({bin_s:.2g} s bins)")
-    _series(ax[1], run.timeline, "kv_usage", "KV usage", scale=100.0, color="tab:blue")
-    ax[1].set_ylabel("KV usage (%)")
-    _series(ax[1].twinx(), run.timeline, "kv_capacity_blocks", "KV capacity (blocks)", color="tab:orange")
-    _series(ax[2], run.timeline, "quantized_layers", "quantized layers", drawstyle="steps-post")
-    ax[2].set_ylabel("quantized layers")
-    ok = [(r.scheduled_s, request_ttft(r)) for r in run.records if r.ok]
-    failed = [r.scheduled_s for r in run.records if not r.ok]
-    ax[3].scatter([t for t, _ in ok], [v for _, v in ok], s=6, label="TTFT")
-    top = max([v for _, v in ok] + [slo]) * 1.05
-    ax[3].scatter(failed, [top] * len(failed), marker="x", color="red", s=12, label="failed")
-    ax[3].axhline(slo, color="gray", linestyle="--", label=f"SLO {slo:g} s")
-    ax[3].set_ylabel("TTFT (s)")
-    ax[3].set_xlabel("time since start (s)")
-    ax[3].legend(loc="upper left", fontsize="small")
-    fig.suptitle(f"{system} (repeat {run.repeat})")
-    fig.savefig(path, dpi=90)
-    return path
-
-
-def _series(ax, samples: Sequence[ServerSample], key: str, label: str, scale: float = 1.0, **style) -> None:
-    points = [(s.t_s, s.values[key] * scale) for s in samples if key in s.values]
-    if not points:
-        ax.text(0.5, 0.5, f"{label}: not reported by this server", transform=ax.transAxes, ha="center")
-        return
-    ax.plot([t for t, _ in points], [v for _, v in points], label=label, **style)
-    ax.set_ylabel(label)
-
-
-def _ttft_cdf(results: BenchResults, slo: float, path: Path) -> Path:
-    """All repeats pooled; failed requests count as never served, so a curve tops out at the ok share."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.subplots()
-    for system in results.systems():
-        records = [r for run in results.runs_of(system) for r in run.records]
-        ttfts = sorted(request_ttft(r) for r in records if r.ok)
-        if not ttfts:
-            continue
-        ax.step(ttfts, [(i + 1) / len(records) for i in range(len(ttfts))], where="post", label=system)
-    ax.axvline(slo, color="gray", linestyle="--", label=f"SLO {slo:g} s")
-    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF", ylim=(0, 1.02))
-    ax.legend(fontsize="small")
-    fig.savefig(path, dpi=90)
-    return path
-
-
-def _quality_vs_ttft(table: dict[str, dict[str, Spread]], path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.5, 4.5), layout="constrained")
-    ax = fig.subplots()
-    for system, row in table.items():
-        x, y = row["ttft_s.p95"], row["rouge_l_vs_full"]
-        if x.median is None or y.median is None:
-            continue
-        ax.errorbar([x.median], [y.median], xerr=[[x.median - x.min], [x.max - x.median]],
-                    yerr=[[y.median - y.min], [y.max - y.median]], fmt="o", capsize=3, label=system)
-        ax.annotate(system, (x.median, y.median), textcoords="offset points", xytext=(5, 5), fontsize="small")
-    ax.set(xlabel="P95 TTFT (s), lower is better", ylabel="ROUGE-L vs full precision, higher is better",
-           title="Quality vs latency (median, min-max bars)")
-    fig.savefig(path, dpi=90)
-    return path
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)

@@ -1,11 +1,18 @@
 """`make bench`: the side-by-side bursty-trace benchmark (static FP, static INT4, MorphServe in each
 mode, vLLM's CPU build) on one machine, model, memory budget and workload.
 
-    python -m ops.bench.run_all [--quick] [--repeats N] [--window-s S] [--systems ...] [--out DIR]
+    python -m ops.bench.run_all [--quick] [--fleet] [--repeats N] [--systems ...] [--out DIR]
 
-Runs are interleaved (repeat r runs the systems rotated by r) and each starts its server fresh. The
-report (report.md, results.json, PNGs, logs/) goes to ops/bench/results/<timestamp>/ and is rewritten
-after every round of repeats, so an interrupted run still leaves what it measured.
+1. Workload: the trace's burst windows (ops/bench/workload.py), with ShareGPT prompts.
+2. Calibration: a closed-loop probe of the baseline (static FP) measures capacity for the workload's
+   length mix; arrivals are scaled so the mean load is a set fraction of it (ops/bench/calibration.py).
+   On the same servers, our load generator is cross-checked with `vllm bench serve` (crosscheck.py).
+3. Replay: runs interleaved (repeat r runs the systems rotated by r), each on a fresh server; per run
+   the reaction time to each burst (reaction.py).
+4. Quality, offline after the load phase: teacher-forced agreement with full precision and
+   token-weighted WikiText-2 perplexity of what each run served (served_quality.py).
+The report (report.md, results.json, PNGs, logs/) goes to ops/bench/results/<timestamp>/ and is
+rewritten after every round of repeats, so an interrupted run still leaves what it measured.
 """
 from __future__ import annotations
 
@@ -19,41 +26,53 @@ from pathlib import Path
 from typing import Sequence
 
 from engine import datasets
-from ops.bench.bench_settings import BenchConfig, goal_lines, workload_spec
+from ops.bench.bench_settings import BenchConfig, workload_spec
+from ops.bench.calibration import calibrate
 from ops.bench.loadgen import load_requests, reference_answers
+from ops.bench.probe import measure
 from ops.bench.prompts import build_prompts
+from ops.bench.reaction import engine_blocked_waits, reaction_times
 from ops.bench.report import BenchResults, BenchSettings, SystemRun, build_report, score_quality, summarize
 from ops.bench.run_one import REPO, RunContext, run_system
 from ops.bench.server_process import ServerStartError
-from ops.bench.systems import (ALL_SYSTEMS, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4, ModelFacts, interleaved_schedule,
-                               plan_budget, system_specs, vllm_block_size, vllm_kv_tokens)
+from ops.bench.systems import (ALL_SYSTEMS, FLEET_BASELINE, FLEET_PRESSURE, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4,
+                               ModelFacts, fleet_note, fleet_systems, interleaved_schedule, plan_budget, system_specs,
+                               vllm_block_size, vllm_kv_tokens)
 from ops.bench.traces import load_trace
 from ops.bench.workload import build_workload
 
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 repeat, short window, 4 systems (a few minutes)")
-    ap.add_argument("--repeats", type=int, default=None, help="repeats per system (default 3; --quick: 1)")
-    ap.add_argument("--window-s", type=float, default=None, help="trace window in seconds (default 8)")
-    ap.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS, help="systems to run, in order")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, one short window, 4 systems (a few minutes)")
+    ap.add_argument("--fleet", action="store_true", help="2 replicas per system: Serve's router + local policy vs "
+                    "the fleet controller + pressure-aware router")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats per system (default 2; --quick: 1)")
+    ap.add_argument("--window-s", type=float, default=None, help="trace window length in seconds (default 12)")
+    ap.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS + (FLEET_BASELINE, FLEET_PRESSURE), help="systems, in order")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default ops/bench/results/<timestamp>)")
-    ap.add_argument("--trace", type=Path, default=None,
-                    help="trace CSV; default: the Azure conversation trace (engine/datasets.py finds or downloads it)")
+    ap.add_argument("--trace", type=Path, default=None, help="Azure or BurstGPT CSV; default: the Azure "
+                    "conversation trace (engine/datasets.py finds or downloads it)")
     ap.add_argument("--model", default="default", help="'default' or a Hugging Face folder / .gguf")
-    ap.add_argument("--no-perplexity", action="store_true", help="skip WikiText-2 perplexity of the static modes "
-                    "(--quick always skips it)")
+    ap.add_argument("--capacity-rps", type=float, default=None, help="skip the probe: capacity in requests/s")
+    ap.add_argument("--no-crosscheck", action="store_true", help="skip the `vllm bench serve` cross-check")
+    ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
     return ap.parse_args(argv)
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     base = BenchConfig.quick() if args.quick else BenchConfig()
-    changes = {k: v for k, v in (("repeats", args.repeats), ("window_s", args.window_s)) if v is not None}
+    changes = {k: v for k, v in (("repeats", args.repeats), ("window_s", args.window_s),
+                                 ("capacity_rps", args.capacity_rps)) if v is not None}
     if args.systems:
         changes["systems"] = tuple(args.systems)
+    elif args.fleet:
+        changes["systems"] = fleet_systems()
     elif args.quick:
         changes["systems"] = QUICK_SYSTEMS
+    if args.no_crosscheck:
+        changes["crosscheck"] = None
+    if args.no_quality:
+        changes["quality"] = False
     return dataclasses.replace(base, **changes)
 
 
@@ -70,49 +89,122 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = plan_budget(facts, cfg.max_model_len, cfg.kv_sequences, cfg.block_size, cfg.max_num_batched_tokens,
                        weight_bytes=_engine_weight_bytes(files.hf_dir))
     specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers)}
-    workload = build_workload(load_trace(datasets.resolve("azure_conv", args.trace)), workload_spec(cfg))
+    trace = load_trace(datasets.resolve("azure_conv", args.trace))
+    unscaled = build_workload(trace, workload_spec(cfg))
     encode, decode = _tokenizer(files.hf_dir)
-    prompts = build_prompts(workload.requests, encode, decode, seed=cfg.seed)
-    requests = load_requests(workload.requests, prompts)
+    prompts = build_prompts(unscaled.requests, encode, decode, seed=cfg.seed)
     ctx = RunContext(hf_dir=str(files.hf_dir), served_name=files.name, plan=plan, out_dir=out,
                      start_deadline_s=cfg.start_deadline_s, drain_s=cfg.drain_s, threads=cfg.threads,
                      vllm_python=str(REPO / ".venv-vllm" / "bin" / "python"))
     command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "ops.bench.run_all", *(argv or sys.argv[1:])])
     (out / "command.txt").write_text(command + "\n", encoding="utf-8")
-    _log(f"budget: {plan.describe()}\nworkload: {workload.describe()}\nout: {out}")
+    _log(f"budget: {plan.describe()}\nout: {out}")
+    started = time.monotonic()
+    capacity, checks = measure(cfg, specs, load_requests(unscaled.requests, prompts), ctx, _log)
+    calibration = calibrate(capacity, unscaled.trace_mean_rps, unscaled.trace_peak_rps, cfg.calibration)
+    workload = build_workload(trace, workload_spec(cfg, calibration.time_scale))
+    requests = load_requests(workload.requests, prompts)  # same windows, same order: the same prompts
+    budget_note = None
+    if args.repeats is None and not args.quick:
+        fitting = cfg.fitting_repeats(workload.duration_s, time.monotonic() - started)
+        if fitting < cfg.repeats:
+            budget_note = (f"repeats reduced from {cfg.repeats} to {fitting}: {len(cfg.systems)} runs of "
+                           f"{workload.duration_s:.0f} s replay + {cfg.run_overhead_s:g} s per repeat would pass the "
+                           f"{cfg.time_budget_s / 60:.0f}-minute budget at this machine's calibrated load")
+            cfg = dataclasses.replace(cfg, repeats=fitting)
+    schedule = interleaved_schedule(cfg.systems, cfg.repeats)
+    _log(f"calibration: {calibration.describe()}\nworkload: {workload.describe()}\n{len(schedule)} runs of about "
+         f"{workload.duration_s + 45:.0f} s each (replay + server start)")
+    info = _ReportInfo(cfg, plan, workload.describe(), command, prompts, files.name, calibration.describe(),
+                       tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems), budget_note))) or None)
     runs: list[SystemRun] = []
     failures: list[str] = []
-    schedule = interleaved_schedule(cfg.systems, cfg.repeats)
-    started = time.monotonic()
     for i, (repeat, name) in enumerate(schedule):
         _log(f"[{i + 1}/{len(schedule)}] {name} repeat {repeat} ({time.monotonic() - started:.0f} s elapsed)")
-        try:
-            runs.append(run_system(specs[name], repeat, requests, ctx))
-        except ServerStartError as e:  # recorded and reported; the other systems still run
-            failures.append(f"{name} repeat {repeat}: {e}")
-            _log(f"  FAILED: {e}")
+        for attempt in range(1, cfg.start_attempts + 1):
+            try:
+                runs.append(_with_reaction(run_system(specs[name], repeat, requests, ctx), specs[name], plan, cfg))
+                break
+            except ServerStartError as e:  # a start that failed (an overloaded machine) is tried again
+                _log(f"  FAILED (attempt {attempt} of {cfg.start_attempts}): {e}")
+                if attempt == cfg.start_attempts:  # recorded and reported; the other systems still run
+                    failures.append(f"{name} repeat {repeat}: {e}")
         if (i + 1) % len(cfg.systems) == 0 or i + 1 == len(schedule):
-            _write(out, runs, failures, cfg, plan, workload.describe(), command, prompts, files.name, {})
-    ppl = _perplexity(args.model, cfg) if cfg.perplexity and not args.no_perplexity else {}
-    paths = _write(out, runs, failures, cfg, plan, workload.describe(), command, prompts, files.name, ppl)
+            _write(out, runs, failures, info)
+    if cfg.quality and runs:
+        runs = _with_quality(runs, prompts, requests, args.model, plan, cfg)
+    paths = _write(out, runs, failures, info)
     _log(f"done in {time.monotonic() - started:.0f} s: {paths.report_md if paths else 'no runs succeeded'}")
     return 0 if paths and not failures else 1
 
 
-def _write(out, runs, failures, cfg, plan, workload_text, command, prompts, model_name, ppl):
-    if not any(r.system == STATIC_FP for r in runs):
-        _log("  (no full-precision run yet: report not written)")
+@dataclasses.dataclass(frozen=True)
+class _ReportInfo:
+    cfg: BenchConfig
+    plan: object
+    workload: str
+    command: str
+    prompts: list
+    model_name: str
+    calibration: str
+    crosscheck: tuple[str, ...]
+    extra_note: str | None
+
+
+def _with_reaction(run: SystemRun, spec, plan, cfg: BenchConfig) -> SystemRun:
+    from ops.bench.metrics import integral
+
+    vllm = spec.kind == "vllm"
+    block = vllm_block_size(plan) if vllm else plan.block_size
+    fixed = vllm_kv_tokens(plan) // block if vllm else plan.kv_blocks
+    reservation = max((int(s.values["reservation_tokens"]) for s in run.timeline if "reservation_tokens" in s.values),
+                      default=0)
+    reaction = reaction_times(run.records, run.timeline, block, fixed, cfg.stall_threshold_s, reservation)
+    return dataclasses.replace(run, reaction=reaction, quantized_layer_s=integral(run.timeline, "quantized_layers"),
+                               engine_blocked_s=engine_blocked_waits(run.timeline))
+
+
+def _with_quality(runs: list[SystemRun], prompts, requests, model: str, plan, cfg: BenchConfig) -> list[SystemRun]:
+    from ops.bench.served_quality import RunServed, evaluate_runs
+
+    _log(f"quality: teacher forcing every served response, perplexity of every served configuration...")
+    texts = {r.request_id: p.prompt for r, p in zip(requests, prompts)}
+    served = [RunServed(key=f"{r.system}/r{r.repeat}", prompts=texts,
+                        outputs={x.request_id: x.output_text for x in r.records if x.ok},
+                        token_times=[t for x in r.records if x.ok for t in x.token_times_s], timeline=r.timeline)
+              for r in runs]
+    knobs = {"block_size": cfg.block_size, "max_model_len": cfg.max_model_len,
+             "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    try:
+        quality = evaluate_runs(served, model, plan.budget_bytes, knobs, cfg.threads, cfg.ppl_tokens, cfg.ppl_window)
+    except Exception as e:  # noqa: BLE001 - the latency results must still be reported
+        _log(f"  quality phase failed: {type(e).__name__}: {e}")
+        return runs
+    return [dataclasses.replace(r, tf_agreement=quality[f"{r.system}/r{r.repeat}"].agreement,
+                                weighted_ppl=quality[f"{r.system}/r{r.repeat}"].weighted_perplexity) for r in runs]
+
+
+def _write(out: Path, runs, failures, info: _ReportInfo):
+    cfg, plan = info.cfg, info.plan
+    reference = STATIC_FP if any(r.system == STATIC_FP for r in runs) else (runs[0].system if runs else None)
+    if reference is None:
+        _log("  (no run yet: report not written)")
         return None
-    scored = score_quality(runs, STATIC_FP, reference_answers(prompts))
+    from ops.bench.goals import goal_lines
+
+    scored = score_quality(runs, reference, reference_answers(info.prompts))
     settings = BenchSettings(
-        title=f"MorphServe bursty-trace benchmark ({model_name}, {len(cfg.systems)} systems, {cfg.repeats} repeats)",
-        model=model_name,
-        memory_budget=f"{plan.describe()}; {plan.describe_vllm(vllm_block_size(plan), vllm_kv_tokens(plan))}", workload=workload_text, slo_ttft_s=cfg.slo_ttft_s,
-        full_precision_system=STATIC_FP, static_int4_system=STATIC_INT4 if STATIC_INT4 in cfg.systems else None,
-        commands=(command,), notes=())
+        title=f"MorphServe bursty-trace benchmark ({info.model_name}, {len(cfg.systems)} systems, {cfg.repeats} repeats)",
+        model=info.model_name,
+        memory_budget=f"{plan.describe()}; {plan.describe_vllm(vllm_block_size(plan), vllm_kv_tokens(plan))}",
+        workload=info.workload, slo_ttft_s=cfg.slo_ttft_s, full_precision_system=reference,
+        static_int4_system=STATIC_INT4 if STATIC_INT4 in cfg.systems else None, commands=(info.command,),
+        calibration=info.calibration, crosscheck=info.crosscheck)
     results = BenchResults(settings=settings, runs=scored)
-    notes = (*cfg.notes(), *goal_lines(summarize(results), ppl), *[f"failed run: {f}" for f in failures])
-    return build_report(dataclasses.replace(results, settings=dataclasses.replace(settings, notes=notes)), out)
+    notes = (*cfg.notes(), *([info.extra_note] if info.extra_note else []),
+             *[f"failed run: {f}" for f in failures])
+    settings = dataclasses.replace(settings, notes=notes, goals=tuple(goal_lines(summarize(results))))
+    return build_report(dataclasses.replace(results, settings=settings), out)
 
 
 def _tokenizer(hf_dir: Path):
@@ -133,17 +225,6 @@ def _engine_weight_bytes(hf_dir: Path) -> int:
 
     model = build_model(load_config(hf_dir), load_weights(hf_dir, torch.bfloat16), torch.bfloat16, "cpu")
     return model.base_weight_bytes() + sum(model.layer_weight_bytes(i) for i in range(len(model.layers)))
-
-
-def _perplexity(model: str, cfg: BenchConfig) -> dict[str, float]:
-    from ops.bench.static_perplexity import static_perplexities
-
-    _log(f"WikiText-2 perplexity of the static modes ({cfg.ppl_tokens} tokens)...")
-    try:
-        return static_perplexities(model, cfg.ppl_tokens, cfg.ppl_window, cfg.threads)
-    except Exception as e:  # noqa: BLE001 - the latency results must still be reported
-        _log(f"  perplexity failed: {type(e).__name__}: {e}")
-        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _log(msg: str) -> None:

@@ -2,6 +2,7 @@
 workload while sampling its status, stop it. Returns the SystemRun the report needs."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -10,13 +11,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from ops.bench.loadgen import LoadGenConfig, LoadRequest, ServerSample, replay
 from ops.bench.report import SystemRun
 from ops.bench.server_process import ServerProcess, ServerStartError, free_port, http_get, http_post_json
-from ops.bench.systems import (BudgetPlan, SystemSpec, morphserve_app_args, morphserve_command, morphserve_status,
-                               serve_config, vllm_command, vllm_env, vllm_status_parser)
+from ops.bench.systems import (BudgetPlan, SystemSpec, morphserve_app_args, morphserve_command, morphserve_labels,
+                               morphserve_status, serve_config, vllm_command, vllm_env, vllm_status_parser)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,25 +33,40 @@ class RunContext:
     drain_s: float  # how long after the last arrival requests may still finish
     threads: int
     vllm_python: str
-    status_interval_s: float = 0.5
+    status_interval_s: float = 0.25
 
 
-def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], ctx: RunContext) -> SystemRun:
+@dataclasses.dataclass(frozen=True)
+class LiveServer:
+    spec: SystemSpec
+    base_url: str
+    admin_token: str
+
+
+@contextlib.contextmanager
+def started_server(spec: SystemSpec, tag: str, ctx: RunContext) -> Iterator[LiveServer]:
+    """A fresh server for `spec`, ready, warmed up and configured; stopped (with every process it
+    started) when the block ends. Its log is logs/<system>.<tag>.log."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    log = ctx.out_dir / "logs" / f"{spec.name}.r{repeat}.log"
+    log = ctx.out_dir / "logs" / f"{spec.name}.{tag}.log"
     token = secrets.token_hex(16)
     command, env = _launch(spec, port, token, ctx, log.with_suffix(".config.json"))
     started = time.monotonic()
     with ServerProcess(command, log, env=env, cwd=REPO) as server:
-        ready_url = f"{base}/v1/models"
-        server.wait_ready(ready_url, ctx.start_deadline_s)
+        server.wait_ready(f"{base}/v1/models", ctx.start_deadline_s)
         _warm_up(base, ctx.served_name)
         if spec.kind == "morphserve":
             _configure(base, token, spec, ctx.served_name, ctx.start_deadline_s)
-        _log(f"  {spec.name} r{repeat}: ready and configured in {time.monotonic() - started:.0f} s; replaying "
-             f"{len(requests)} requests")
-        result, samples = _replay(spec, base, token, requests, ctx)
+        _log(f"  {spec.name} {tag}: ready and configured in {time.monotonic() - started:.0f} s")
+        yield LiveServer(spec, base, token)
+
+
+def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], ctx: RunContext) -> SystemRun:
+    started = time.monotonic()
+    with started_server(spec, f"r{repeat}", ctx) as server:
+        _log(f"  {spec.name} r{repeat}: replaying {len(requests)} requests")
+        result, samples = _replay(spec, server.base_url, server.admin_token, requests, ctx)
     ok = sum(r.ok for r in result.records)
     _log(f"  {spec.name} r{repeat}: {ok}/{len(result.records)} ok in {result.duration_s:.0f} s; "
          f"total {time.monotonic() - started:.0f} s")
@@ -64,7 +80,7 @@ def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_pat
                 {**vllm_env(ctx.threads), "PYTHONPATH": ""})
     args = morphserve_app_args(spec, ctx.plan, ctx.hf_dir, token)
     args["served_model_name"] = ctx.served_name
-    args["engine"]["num_threads"] = ctx.threads
+    args["engine"]["num_threads"] = max(1, ctx.threads // spec.replicas)  # replicas share the cores
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(json.dumps(serve_config(args, port), indent=1), encoding="utf-8")
     serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
@@ -140,7 +156,8 @@ class _AdminSampler:
             try:
                 status, body = http_get(self.url, self.headers, timeout_s=5.0)
                 if status == 200:
-                    self.samples.append(ServerSample(t_s=started - t0, values=morphserve_status(body)))
+                    self.samples.append(ServerSample(t_s=started - t0, values=morphserve_status(body),
+                                                     labels=morphserve_labels(body)))
             except (OSError, ValueError):
                 pass  # a missed sample is a gap in the plot, not a failed run
             self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - started)))

@@ -29,6 +29,42 @@ VLLM = "vllm-cpu"
 ALL_SYSTEMS = (STATIC_FP, STATIC_INT4, "morphserve-accuracy", "morphserve-balanced", "morphserve-performance", VLLM)
 QUICK_SYSTEMS = (STATIC_FP, STATIC_INT4, "morphserve-balanced", VLLM)
 
+# --fleet (issue 14): 2 engine replicas per system, each with the single-replica budget (same total
+# memory for both systems), 1 thread each; both in balanced mode.
+FLEET_BASELINE = "fleet-serve-router"  # Serve's default router + every replica's own (local) policy
+FLEET_PRESSURE = "fleet-pressure-router"  # the fleet controller + the pressure-aware router
+FLEET_REPLICAS = 2
+# AppArgs switches (deployments/app_args.py) that tell the two apart; a build without them can only
+# run the baseline as the app's default (fleet_note says so in the report).
+FLEET_SWITCHES = {FLEET_BASELINE: {"fleet_controller": False, "pressure_router": False},
+                  FLEET_PRESSURE: {"fleet_controller": True, "pressure_router": True}}
+
+
+def _app_fields() -> set[str]:
+    from deployments.app_args import AppArgs
+
+    return set(AppArgs.model_fields)
+
+
+def fleet_switches_available() -> bool:
+    return all(k in _app_fields() for switches in FLEET_SWITCHES.values() for k in switches)
+
+
+def fleet_systems() -> tuple[str, ...]:
+    return (FLEET_BASELINE, FLEET_PRESSURE) if fleet_switches_available() else (FLEET_BASELINE,)
+
+
+def fleet_note(systems) -> str | None:
+    if not any(s in (FLEET_BASELINE, FLEET_PRESSURE) for s in systems):
+        return None
+    if fleet_switches_available():
+        return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread; "
+                f"{FLEET_BASELINE} = {FLEET_SWITCHES[FLEET_BASELINE]}, {FLEET_PRESSURE} = {FLEET_SWITCHES[FLEET_PRESSURE]}; "
+                f"quantized layer-seconds from /admin/morph, which one replica answers per sample")
+    return (f"fleet: this build's AppArgs has no {sorted(FLEET_SWITCHES[FLEET_PRESSURE])} switches, so only "
+            f"{FLEET_BASELINE} ran, as the app's default ({FLEET_REPLICAS} replicas, fleet controller, Serve's "
+            f"router); the pressure-aware side is not measured here")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelFacts:
@@ -148,6 +184,8 @@ class SystemSpec:
     enable_morphing: bool = True  # EngineConfig.enable_morphing (False: no KV headroom is reserved)
     mode: str | None = None  # the policy mode of a dynamic system
     pin_int4_layers: int | None = None  # static INT4: pinned through POST /admin/morph after start
+    replicas: int = 1
+    app_args: Mapping = dataclasses.field(default_factory=dict)  # AppArgs overrides (fleet switches)
 
     def admin_updates(self) -> tuple[dict, ...]:
         """POST /admin/morph bodies to send once the server is ready, in order."""
@@ -158,6 +196,9 @@ class SystemSpec:
 
 def system_specs(names: Sequence[str], num_layers: int) -> tuple[SystemSpec, ...]:
     known = {s.name: s for s in _all_specs(num_layers)}
+    if FLEET_PRESSURE in names and not fleet_switches_available():
+        raise BenchmarkInputError(f"{FLEET_PRESSURE} needs AppArgs {sorted(FLEET_SWITCHES[FLEET_PRESSURE])}, which "
+                                  f"this build lacks; run {FLEET_BASELINE} only")
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise BenchmarkInputError(f"unknown system(s) {unknown or '(none given)'}; choose from {', '.join(ALL_SYSTEMS)}")
@@ -173,7 +214,11 @@ def _all_specs(num_layers: int) -> tuple[SystemSpec, ...]:
             SystemSpec(STATIC_INT4, "morphserve", f"MorphServe, all {num_layers} layers pinned to INT4",
                        pin_int4_layers=num_layers),
             *dynamic,
-            SystemSpec(VLLM, "vllm", "vLLM CPU build, bf16, same KV bytes"))
+            SystemSpec(VLLM, "vllm", "vLLM CPU build, bf16, same KV bytes"),
+            *(SystemSpec(name, "morphserve", f"MorphServe fleet, {FLEET_REPLICAS} replicas", mode="balanced",
+                         replicas=FLEET_REPLICAS,
+                         app_args=FLEET_SWITCHES[name] if fleet_switches_available() else {})
+              for name in (FLEET_BASELINE, FLEET_PRESSURE)))
 
 
 def interleaved_schedule(systems: Sequence[str], repeats: int) -> list[tuple[int, str]]:
@@ -191,7 +236,8 @@ def morphserve_app_args(spec: SystemSpec, plan: BudgetPlan, model: str, admin_to
     if spec.kind != "morphserve":
         raise BenchmarkInputError(f"{spec.name} is not a MorphServe system")
     return {"model": model, "memory_budget": plan.budget_bytes, "dtype": "bf16", "device": "cpu",
-            "mode": spec.mode or "balanced", "num_replicas": 1, "admin_token": admin_token,
+            "mode": spec.mode or "balanced", "num_replicas": spec.replicas, "admin_token": admin_token,
+            **dict(spec.app_args),
             "engine": {"enable_morphing": spec.enable_morphing, "block_size": plan.block_size,
                        "max_model_len": plan.max_model_len, "max_num_seqs": max_num_seqs,
                        "max_num_batched_tokens": plan.max_num_batched_tokens}}
@@ -239,14 +285,31 @@ def vllm_env(threads: int) -> dict[str, str]:
 
 # Values the report's timeline plots look for, from each server's status body.
 _MORPHSERVE_KEYS = {"kv_usage": "pressure.kv_usage", "kv_capacity_blocks": "morph_state.kv_capacity_blocks",
+                    "kv_used_blocks": "pressure.kv_used_blocks", "num_waiting": "pressure.num_waiting",
+                    "reservation_tokens": "pressure.reservation_tokens",  # with admission-time morphing
+                    "admission_swaps_total": "pressure.admission_swaps_total",
+                    "last_blocked_for_s": "admission.last_blocked_for_s",  # the engine's own head-of-queue wait
                     "quantized_layers": "morph_state.num_quantized", "preemptions_total": "pressure.preemptions_total"}
-VLLM_METRICS = {"kv_usage": "vllm:kv_cache_usage_perc", "preemptions_total": "vllm:num_preemptions_total"}
+VLLM_METRICS = {"kv_usage": "vllm:kv_cache_usage_perc", "preemptions_total": "vllm:num_preemptions_total",
+                "num_waiting": "vllm:num_requests_waiting"}
 
 
 def morphserve_status(body: str) -> dict[str, float]:
     """GET /admin/morph (deployments/replica.py: admin_status) -> the plot's names."""
     flat = parse_json_status(body)
     return {key: flat[path] for key, path in _MORPHSERVE_KEYS.items() if path in flat}
+
+
+def morphserve_labels(body: str) -> dict[str, str]:
+    """The configuration in force (ops/bench/served_quality.py: config_label), from the layer precisions."""
+    from ops.bench.served_quality import config_label
+
+    state = json.loads(body).get("morph_state") or {}
+    precisions = state.get("precisions")
+    return {"config": config_label(precisions, FULL_PRECISION)} if isinstance(precisions, list) else {}
+
+
+FULL_PRECISION = "bf16"  # every system serves the model in bf16
 
 
 def vllm_status_parser():

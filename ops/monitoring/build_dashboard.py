@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from ops.monitoring.dashboard_rows import fleet_control_row, lengths_row, resources_row, serve_deployments_row
+from ops.monitoring.dashboard_rows import (admission_row, fleet_control_row, lengths_row, resources_row,
+                                           serve_deployments_row)
 from ops.monitoring.grafana_json import (Panel, Query, Row, custom_variable, dashboard,
                                          datasource_variable, query_variable)
 from ops.monitoring.promql import APP_SEL, CLUSTER, RATE, SEL, gauge, latency_panel, rate
@@ -145,11 +146,11 @@ def build() -> dict:
         custom_variable("slo_ttft", "TTFT SLO (s)", SLO_TTFT_CHOICES, SLO_TTFT_DEFAULT,
                         "TTFT service-level objective in seconds; must be a TTFT bucket boundary."),
     ]
-    rows = [fleet_row(), fleet_control_row(), latency_row(), queue_row(), memory_row(), lengths_row(),
-            ray_serve_row(), serve_deployments_row(), resources_row()]
+    rows = [fleet_row(), fleet_control_row(), latency_row(), queue_row(), memory_row(), admission_row(),
+            lengths_row(), ray_serve_row(), serve_deployments_row(), resources_row()]
     return dashboard("morphserve", "MorphServe", rows, variables,
                      "MorphServe engine replicas on Ray Serve: latency, queues, KV, morph state, the fleet "
-                     "controller and router, Serve deployments, cluster resources.")
+                     "controller and router, admission-time morphing, Serve deployments, cluster resources.")
 
 
 def dashboard_text() -> str:

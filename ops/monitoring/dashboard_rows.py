@@ -1,5 +1,6 @@
 """Dashboard rows beyond one replica's latency and morph state: the fleet controller and the request
-router, request lengths and engine steps, Serve deployments, and the cluster's resources."""
+router, admission-time morphing and SLO feedback, request lengths and engine steps, Serve
+deployments, and the cluster's resources."""
 from __future__ import annotations
 
 from ops.monitoring.grafana_json import Panel, Query, Row
@@ -45,6 +46,31 @@ def fleet_control_row() -> Row:
             description="admits: some replica's free KV admits the request now (shortest queue among them); "
             "kv_full: none does (most free blocks first); stale: routing stats too old, Serve's default "
             "router; other_call: not a generation.", unit="ops", stacked=True, width=16),
+    ))
+
+
+def admission_row() -> Row:
+    per_replica = "{{replica}}"
+    return Row("Admission-time morphing and SLO feedback", (
+        Panel("Admission morphs", (Query(rate("ray_morphserve_admission_morphs_total", "replica, kind"),
+                                         "{{kind}} " + per_replica),),
+            description="swap: layers the engine quantized when the head of the queue did not fit; restore: "
+            "layers it gave back when demand fit with margin.", unit="ops"),
+        Panel("KV demand (blocks)", (Query(gauge("ray_morphserve_kv_demand_blocks", "replica, kind"),
+                                           "{{kind}} " + per_replica),),
+            description="waiting: blocks the queue needs to be admitted; running_reserved / running_finish: "
+            "what the running requests still need; available = free - running_reserved."),
+        Panel("Allowed quantized layers (directive bound)", (Query(gauge(
+            "ray_morphserve_morph_allowed_layers", "replica", agg="max"), per_replica),),
+            description="max_quantized of the last directive: mode cap and fleet grant, never below what the "
+            "budget forces; bounds the engine's own admission-time morphs."),
+        Panel("Output reservation (tokens per request)", (Query(gauge(
+            "ray_morphserve_output_reservation_tokens", "replica", agg="max"), per_replica),)),
+        Panel("SLO feedback level", (Query(gauge(
+            "ray_morphserve_slo_feedback_level", "replica", agg="max"), per_replica),),
+            description="0: the configured entry thresholds; 1: the most eager (TTFT above slo_ttft_s)."),
+        Panel("Entry thresholds in use", (Query(gauge(
+            "ray_morphserve_policy_entry_threshold", "replica, signal", agg="max"), "{{signal}} " + per_replica),)),
     ))
 
 
@@ -105,4 +131,4 @@ def resources_row() -> Row:
     ))
 
 
-__all__ = ["fleet_control_row", "lengths_row", "resources_row", "serve_deployments_row", "SEL"]
+__all__ = ["admission_row", "fleet_control_row", "lengths_row", "resources_row", "serve_deployments_row", "SEL"]
