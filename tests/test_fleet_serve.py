@@ -15,11 +15,14 @@ from tests.test_serve_morph import Traffic
 
 BUDGET = 4
 FLEET_CONTROLLER = {"controller_name": "test-fleet-controller", "controller_namespace": "morphserve-test-fleet"}
+# Per replica, as in tests/test_serve_morph.py: the weights + activation reserve + ~25 KV blocks, and
+# room for 16 running requests, so a burst queues for *memory* (what morphing relieves; queueing for
+# compute at batch > quantized_faster_max_batch asks for a replica instead of morphing).
 COMMON = {
     # Generous report deadline: these tests share 2 loaded cores; a late report falls back locally.
-    "memory_budget": "300MiB", "mode": "performance", "report_interval_s": 0.1, "controller_timeout_s": 2.0,
+    "memory_budget": "280MiB", "mode": "performance", "report_interval_s": 0.1, "controller_timeout_s": 2.0,
     "max_layers_per_step": 4, "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
-    "engine": {"max_model_len": 512, "max_num_seqs": 4, "max_num_batched_tokens": 128, "num_threads": 1},
+    "engine": {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 128, "num_threads": 1},
     "engine_num_cpus": 0.5,
 }
 FLEET_ARGS = {**COMMON, **FLEET_CONTROLLER, "num_replicas": 2, "fleet_max_quantized_layers": BUDGET,
