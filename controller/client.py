@@ -6,12 +6,19 @@ same policy over its own history (`Directive.source == "local"`), sets `reachabl
 metrics, and tries the controller again on the next report, re-resolving the actor by name. Nothing
 here raises into the serving path.
 
-The local fallback applies the mode cap but not the fleet budget (only the controller knows the
-other replicas); when the controller is back it reclaims layers above this replica's share.
+The local fallback applies the mode cap and the last fleet grant the controller gave this replica
+(it cannot know the others' demand, so it never takes more than that share); when the controller is
+back it moves the budget again. (Past `replica_timeout_s` of silence the controller hands a silent
+replica's share to others: a replica cut off from the controller yet alive can then overlap them.) It asks
+to scale out under the same rule as the controller (at the cap for `scale_out_after_s`).
+
+`use_controller=False` (the app's `fleet_controller: false`) never contacts a controller: every
+replica runs its own policy, as a fleet without the controller would.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +27,7 @@ from controller.directive import Directive
 from controller.fleet import DEFAULT_NAME, DEFAULT_NAMESPACE
 from controller.policy import PolicyRunner
 from controller.policy_config import FleetConfig, PolicyConfig
+from controller.saturation import SaturationTimer, compute_bound, is_saturated
 from engine.morph.actions import MorphState
 from engine.pressure import PressureSnapshot
 
@@ -29,9 +37,11 @@ log = logging.getLogger(__name__)
 class ControllerClient:
     def __init__(self, replica_id: str, config: PolicyConfig | None = None, *, name: str = DEFAULT_NAME,
                  namespace: str = DEFAULT_NAMESPACE, timeout_s: float = 0.5,
-                 create_with: FleetConfig | None = None, resolve: Callable[[], Any] | None = None):
+                 create_with: FleetConfig | None = None, resolve: Callable[[], Any] | None = None,
+                 use_controller: bool = True):
         """`create_with`: start the controller with this config if none is running (else only look it
-        up by name). `resolve`: returns an actor handle; replaces the Ray lookup (tests)."""
+        up by name). `resolve`: returns an actor handle; replaces the Ray lookup (tests).
+        `use_controller=False`: decide locally, always."""
         if not replica_id:
             raise ValueError("replica_id must be a non-empty string (e.g. the Serve replica's id)")
         if timeout_s <= 0:
@@ -41,9 +51,12 @@ class ControllerClient:
         self._name, self._namespace, self._create_with = name, namespace, create_with
         self._resolve = resolve or self._resolve_by_name
         self._runner = PolicyRunner(config or (create_with.policy if create_with else PolicyConfig()))
+        self._saturation = SaturationTimer((create_with or FleetConfig()).scale_out_after_s)
+        self.use_controller = use_controller
         self._handle: Any = None
         self._reachable = False  # until the controller first answers
         self.last_directive: Directive | None = None
+        self.last_grant: int | None = None  # the controller's latest fleet share for this replica
         self.last_error: str | None = None
         self.fallbacks = 0  # reports answered by the local policy
 
@@ -58,6 +71,9 @@ class ControllerClient:
             self._runner.observe(snapshot)
         except Exception:  # a malformed snapshot must not reach the serving path either
             log.exception("could not record a pressure snapshot")
+        if not self.use_controller:
+            self.last_directive = self._local(morph_state)
+            return self.last_directive
         try:
             directive = await asyncio.wait_for(self._ask(snapshot, morph_state), self.timeout_s)
             if not isinstance(directive, Directive):
@@ -66,7 +82,7 @@ class ControllerClient:
             self._on_failure(e)
             directive = self._local(morph_state)
         else:
-            self._reachable, self.last_error = True, None
+            self._reachable, self.last_error, self.last_grant = True, None, directive.grant
             if directive.mode != self._runner.config.mode:  # follow a fleet-wide set_mode in the fallback too
                 self._runner.set_config(self._runner.config.with_mode(directive.mode))
         self.last_directive = directive
@@ -101,7 +117,13 @@ class ControllerClient:
 
     def _local(self, morph_state: MorphState) -> Directive:
         try:
-            return self._runner.decide(morph_state)
+            directive = self._runner.decide(morph_state, cap=self.last_grant)
+            history, config = self._runner.history, self._runner.config
+            latest = history[-1] if history else None
+            saturated = is_saturated(latest, morph_state, config, self.last_grant, compute_bound(directive))
+            scale_out = self._saturation.update(saturated, directive.scale_out,
+                                                latest.time if latest else 0.0)
+            return dataclasses.replace(directive, scale_out=scale_out)
         except Exception as e:  # a bug in the policy must not take the replica down: hold still
             log.exception("local policy failed; holding the current morph state")
             return Directive(target_quantized=morph_state.num_quantized,

@@ -18,9 +18,14 @@ class Directive:
     mode: str  # the policy mode that produced it
     reason: str  # one line for logs and status(): why this target
     source: DirectiveSource  # "controller": the fleet answered; "local": the replica's fallback
-    scale_out: bool = False  # sustained pressure that morphing cannot relieve: more replicas would help
-    # The replica's current allowed maximum of quantized layers (mode cap and fleet share, never below
-    # what its budget forces): the bound on the engine's own admission-time morphs until the next one.
+    # Sustained pressure that morphing cannot relieve (at the cap, or queueing for compute), held for
+    # scale_out_after_s where the fleet or the client's fallback decides: more replicas would help.
+    scale_out: bool = False
+    # The fleet budget's share for this replica, as the fleet's `_allowance` computed it (None: no fleet
+    # cap, or the local fallback). An input to max_quantized, kept for status and metrics.
+    grant: int | None = None
+    # The effective bound: max(min(mode cap, grant), layers the budget forces) (policy.morph_cap of the
+    # same grant). It bounds the engine's own admission-time morphs until the next directive.
     max_quantized: int | None = None
     reservation_factor: float = 1.0  # output reservation multiplier (SLO feedback; 1 = the engine's config)
     waiting_for: str = "none"  # what queued requests waited for at the last report: none | memory | compute | unknown
@@ -54,6 +59,6 @@ class Directive:
     def summary(self) -> dict:
         return {"target_quantized": self.target_quantized, "precision": self.precision.value, "mode": self.mode,
                 "reason": self.reason, "source": self.source, "scale_out": self.scale_out,
-                "max_quantized": self.max_quantized, "reservation_factor": round(self.reservation_factor, 4),
+                "grant": self.grant, "max_quantized": self.max_quantized, "reservation_factor": round(self.reservation_factor, 4),
                 "waiting_for": self.waiting_for, "slo_level": self.slo_level,
                 "enter_kv_usage": self.enter_kv_usage, "enter_queue_delay_s": self.enter_queue_delay_s}

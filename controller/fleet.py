@@ -5,8 +5,10 @@ It keeps each replica's recent snapshots, runs the same pure policy for it, and 
     replicas together want more, the budget goes to those under most pressure first (the others are
     capped, and restore if they hold more than their share);
   * scale-out: a replica that stays at its morph cap under sustained pressure for
-    `scale_out_after_s` (measured on its own snapshot clock) asks for another replica;
-  * forgetting: a replica silent for `replica_timeout_s` (controller clock) leaves the view.
+    `scale_out_after_s` (measured on its own snapshot clock) asks for another replica: only then does
+    its directive carry `scale_out`, which the replica hands to Ray Serve's autoscaler;
+  * forgetting: a replica silent for `replica_timeout_s` (controller clock) leaves the view, and its
+    share of the budget goes back to the others at their next report.
 
 The actor holds no durable state on purpose. Ray restarts it after a crash (max_restarts=-1) with
 the config it was created with: it starts empty (a `set_mode` made since is lost) and rebuilds its
@@ -21,8 +23,10 @@ import uuid
 from collections.abc import Callable
 
 from controller.directive import Directive
-from controller.policy import current_target, decide, is_pressured, morph_cap, pressure_score
+from controller.fleet_metrics import FleetMetrics, GaugeBackend
+from controller.policy import current_target, decide, morph_cap, pressure_score
 from controller.policy_config import FleetConfig
+from controller.saturation import SaturationTimer, compute_bound, is_saturated
 from controller.slo import SloState, tune, tuning_for
 from engine.errors import InvalidRequestError
 from engine.morph.actions import MorphState
@@ -38,25 +42,27 @@ class ReplicaView:
     history: collections.deque[PressureSnapshot]
     state: MorphState
     last_report: float  # controller clock
+    saturation: SaturationTimer
     directive: Directive | None = None
-    at_cap_since: float | None = None  # the replica's snapshot time when it became saturated
+    grant: int | None = None  # its share of the fleet budget at the last report (None: no fleet cap)
     reports: int = 0
     slo: SloState = dataclasses.field(default_factory=SloState)  # SLO feedback (controller/slo.py)
 
     def at_cap_for(self) -> float:
-        if self.at_cap_since is None or not self.history:
-            return 0.0
-        return self.history[-1].time - self.at_cap_since
+        return self.saturation.held_for(self.history[-1].time) if self.history else 0.0
 
 
 class FleetController:
     """Plain class (tests drive it directly with a fake clock); `get_or_create_controller` runs it
     as a Ray actor."""
 
-    def __init__(self, config: FleetConfig | dict | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: FleetConfig | dict | None = None, clock: Callable[[], float] = time.monotonic,
+                 metrics: GaugeBackend | None = None):
+        """`metrics`: where the fleet gauges go (the actor passes Ray's; None: none)."""
         self._config = config if isinstance(config, FleetConfig) else FleetConfig.model_validate(config or {})
         self._clock = clock
         self._replicas: dict[str, ReplicaView] = {}
+        self._metrics = FleetMetrics(metrics) if metrics is not None else None
         self.instance_id = uuid.uuid4().hex[:12]  # changes on every (re)start: lets operators see restarts
         self.started_at = time.time()
 
@@ -71,7 +77,8 @@ class FleetController:
         now = self._clock()
         view = self._replicas.get(replica_id)
         if view is None:
-            view = ReplicaView(collections.deque(maxlen=self._config.policy.history_len), morph_state, now)
+            view = ReplicaView(collections.deque(maxlen=self._config.policy.history_len), morph_state, now,
+                               SaturationTimer(self._config.scale_out_after_s))
             self._replicas[replica_id] = view
         # Refreshed before forgetting the silent: a replica whose steps are slower than the timeout
         # reports rarely but is alive, and must keep its history (else no window ever fills).
@@ -82,15 +89,24 @@ class FleetController:
             view.history.append(snapshot)
             view.slo = tune(view.slo, snapshot.ttft_recent_p95_s, policy.slo)
         view.state, view.reports = morph_state, view.reports + 1
-        grants = self._grants()
+        # One owner of the share: the fleet's allowance. The policy derives the directive's bound
+        # (max_quantized) from this same grant, so the engine's admission-time morphs obey it too.
+        view.grant = self._allowance(replica_id, self._grants().get(replica_id))
         tuning = tuning_for(view.slo, policy.active, policy.slo) if policy.slo.slo_ttft_s else None
-        directive = decide(view.history, view.state, policy, cap=grants.get(replica_id), tuning=tuning)
+        directive = decide(view.history, view.state, policy, cap=view.grant, tuning=tuning)
         reason = directive.reason
-        if replica_id in grants and grants[replica_id] < morph_cap(view.state, self._config.policy):
-            reason += f" [fleet budget grants this replica {grants[replica_id]} layer(s)]"
-        directive = dataclasses.replace(directive, source="controller", reason=reason)
-        self._track_saturation(view, directive, grants.get(replica_id))
+        if view.grant is not None and view.grant < morph_cap(view.state, policy):
+            reason += f" [fleet budget grants this replica {view.grant} layer(s)]"
+        # The policy asks as soon as it is saturated (at its cap, or compute-bound) under pressure; the
+        # fleet waits scale_out_after_s of it (SaturationTimer).
+        saturated = is_saturated(view.history[-1], view.state, policy, view.grant, compute_bound(directive))
+        scale_out = view.saturation.update(saturated, directive.scale_out, view.history[-1].time)
+        if directive.scale_out and not scale_out:
+            reason += f" [saturated for {view.at_cap_for():.1f} s of {self._config.scale_out_after_s:g} s before scale-out]"
+        directive = dataclasses.replace(directive, source="controller", reason=reason, scale_out=scale_out,
+                                        grant=view.grant)
         view.directive = directive
+        self._export(replica_id, view)
         return directive
 
     def _grants(self) -> dict[str, int]:
@@ -108,34 +124,47 @@ class FleetController:
             remaining -= grants[rid]
         return grants
 
+    def _allowance(self, replica_id: str, share: int | None) -> int | None:
+        """Its share, less whatever the others still hold or were told to reach beyond theirs: a grant
+        that moves from A to B reaches B only as A gives layers back, so the layers held over the
+        fleet never exceed the budget, not even while A restores."""
+        budget = self._config.fleet_max_quantized_layers
+        if budget is None or share is None:
+            return share
+        others = sum(_committed(v) for rid, v in self._replicas.items() if rid != replica_id)
+        return max(0, min(share, budget - others))
+
     def _score(self, view: ReplicaView) -> float:
         """Mean pressure score over the entry window: smooth enough that one spike does not reorder."""
         tail = list(view.history)[-self._config.policy.enter_after:]
         mode = self._config.policy.active
         return sum(pressure_score(s, mode) for s in tail) / len(tail) if tail else 0.0
 
-    def _track_saturation(self, view: ReplicaView, directive: Directive, grant: int | None) -> None:
-        """Saturated = at its cap (mode or fleet), or queueing for compute that morphing cannot help,
-        while its latest snapshot is still under pressure."""
-        policy = self._config.policy
-        at_cap = current_target(view.state) >= morph_cap(view.state, policy, grant)
-        compute_bound = directive.scale_out and directive.waiting_for == "compute"
-        if not ((at_cap or compute_bound) and view.history and is_pressured(view.history[-1], policy.active)):
-            view.at_cap_since = None
-        elif directive.scale_out and view.at_cap_since is None:
-            view.at_cap_since = view.history[-1].time
+    def _export(self, replica_id: str, view: ReplicaView) -> None:
+        if self._metrics is None:
+            return
+        grant = view.grant if view.grant is not None else morph_cap(view.state, self._config.policy)
+        self._metrics.set_replica(replica_id, grant=grant, held=view.state.num_quantized,
+                                  target=view.directive.target_quantized if view.directive else 0,
+                                  score=self._score(view), saturated_s=view.at_cap_for(),
+                                  scale_out=bool(view.directive and view.directive.scale_out))
+        signal = self.scale_out_signal()
+        self._metrics.set_fleet(budget=self._config.fleet_max_quantized_layers,
+                                used=sum(v.state.num_quantized for v in self._replicas.values()),
+                                replicas=len(self._replicas), extra=signal["desired_extra_replicas"])
 
     def _forget_silent(self, now: float) -> None:
         timeout = self._config.replica_timeout_s
         for rid in [rid for rid, v in self._replicas.items() if now - v.last_report > timeout]:
             del self._replicas[rid]
+            if self._metrics is not None:
+                self._metrics.forget(rid)
 
     def scale_out_signal(self) -> dict:
         """How many more replicas would help: one per replica saturated for scale_out_after_s."""
         self._forget_silent(self._clock())
         after = self._config.scale_out_after_s
-        saturated = sorted(rid for rid, v in self._replicas.items()
-                           if v.at_cap_since is not None and v.at_cap_for() >= after)
+        saturated = sorted(rid for rid, v in self._replicas.items() if v.directive is not None and v.directive.scale_out)
         extra = min(len(saturated), self._config.max_extra_replicas)
         reason = (f"{len(saturated)} replica(s) at their morph cap under pressure for >= {after:g} s"
                   if saturated else "no replica is saturated")
@@ -158,13 +187,20 @@ class FleetController:
         replicas = {rid: _replica_summary(v, now) for rid, v in sorted(self._replicas.items())}
         targets = sum(v.directive.target_quantized for v in self._replicas.values() if v.directive)
         budget = self._config.fleet_max_quantized_layers
-        totals = {"replicas": len(replicas),
+        granted = sum(v.grant for v in self._replicas.values() if v.grant is not None)
+        totals = {"replicas": len(replicas), "granted_layers": granted if budget is not None else None,
                   "quantized_layers": sum(v.state.num_quantized for v in self._replicas.values()),
                   "target_quantized_layers": targets, "fleet_budget": budget,
                   "budget_left": None if budget is None else budget - targets}
         return {"instance_id": self.instance_id, "started_at": self.started_at,
                 "mode": self._config.policy.mode, "replicas": replicas, "totals": totals,
                 "scale_out": self.scale_out_signal()}
+
+
+def _committed(view: ReplicaView) -> int:
+    """Layers a replica holds or is heading to: what it has, a pending target, its last directive."""
+    directed = view.directive.target_quantized if view.directive is not None else 0
+    return max(view.state.num_quantized, current_target(view.state), directed)
 
 
 def _replica_summary(view: ReplicaView, now: float) -> dict:
@@ -187,6 +223,7 @@ def _replica_summary(view: ReplicaView, now: float) -> dict:
         "directive": view.directive.summary() if view.directive else None,
         "seconds_since_report": round(now - view.last_report, 3),
         "reports": view.reports,
+        "grant": view.grant,
         "at_cap_for_s": round(view.at_cap_for(), 3),
     }
 
@@ -200,6 +237,9 @@ def get_or_create_controller(name: str = DEFAULT_NAME, namespace: str = DEFAULT_
     (the replica has already fallen back to its local policy and reports again shortly)."""
     import ray
 
+    from controller.fleet_metrics import RayUtilBackend
+
     actor_cls = ray.remote(FleetController)
     return actor_cls.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-                             max_restarts=-1, max_task_retries=0, num_cpus=0).remote(config or FleetConfig())
+                             max_restarts=-1, max_task_retries=0, num_cpus=0).remote(
+        config or FleetConfig(), metrics=RayUtilBackend())

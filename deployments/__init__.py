@@ -35,6 +35,9 @@ def build_app(args: dict[str, Any] | None = None):
     # Every queue is bounded: Serve's beyond max_ongoing_requests (max_queued_requests), the engine's
     # (max_waiting). A refusal anywhere is a 503 with Retry-After (README "Overload").
     backpressure = BackpressureConfig(status_code=503, retry_after_s=parsed.retry_after_s)
+    router = parsed.request_router_config()
+    if router is not None:
+        scaling["request_router_config"] = router
     engine = serve.deployment(LLMServer).options(
         name=ENGINE_NAME, max_ongoing_requests=parsed.engine_max_ongoing_requests(),
         max_queued_requests=parsed.max_queued_requests, backpressure_config=backpressure,

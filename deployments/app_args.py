@@ -39,6 +39,9 @@ class AppArgs(BaseModel):
     policy: dict[str, Any] = Field(default_factory=dict, description="PolicyConfig overrides (enter_after, relax_after, thresholds, ...)")
     fleet_max_quantized_layers: int | None = Field(None, ge=0, description="fleet accuracy budget: most quantized layers over all replicas")
     scale_out_after_s: float = Field(30.0, ge=0.0, description="a replica at its morph cap under pressure this long asks for a peer")
+    replica_timeout_s: float = Field(10.0, gt=0.0, description="the controller forgets a replica silent this long and returns its grant")
+    max_extra_replicas: int = Field(4, ge=0, description="most extra replicas the controller asks for at once")
+    fleet_controller: bool = Field(True, description="false: no fleet controller; every replica runs its own policy (no fleet budget)")
     controller_name: str = Field(DEFAULT_NAME, min_length=1)
     controller_namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
     report_interval_s: float = Field(0.25, gt=0.0, le=60.0, description="how often a replica reports pressure and applies its directive")
@@ -51,6 +54,9 @@ class AppArgs(BaseModel):
     max_queued_requests: int = Field(32, ge=-1, description="calls Serve queues for the engine replicas while all are at max_ongoing_requests or restarting (-1: no limit); beyond -> 503")
     control_slots: int = Field(8, ge=1, description="Serve calls per engine replica kept free of generation for health and admin calls")
     engine_stall_s: float = Field(60.0, gt=0.0, description="a replica whose engine has work but finishes no step for this long fails its health check")
+    pressure_router: bool = Field(True, description="route engine requests by free KV blocks (deployments/router.py); false: Serve's default power of two choices")
+    router_stale_after_s: float = Field(2.0, gt=0.0, description="older routing stats than this: the pressure router falls back to Serve's default")
+    router_stats_period_s: float = Field(0.5, gt=0.0, description="how often Serve pulls each replica's routing stats")
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one ingress replica handles at once")
     ingress_max_queued_requests: int = Field(64, ge=-1, description="HTTP requests Serve's proxy queues for the ingress beyond that (-1: no limit); beyond -> 503")
@@ -85,6 +91,9 @@ class AppArgs(BaseModel):
     def _consistent(self) -> "AppArgs":
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("give num_replicas or autoscaling_config, not both")
+        if self.router_stale_after_s <= self.router_stats_period_s:
+            raise ValueError(f"router_stale_after_s ({self.router_stale_after_s}) must exceed router_stats_period_s "
+                             f"({self.router_stats_period_s}), or the router would always fall back")
         if "mode" in self.policy:
             raise ValueError("set the mode with the top-level 'mode' arg, not inside 'policy'")
         if self.autoscaling_config is not None:
@@ -120,7 +129,19 @@ class AppArgs(BaseModel):
 
     def fleet_config(self) -> FleetConfig:
         return FleetConfig(policy=self.policy_config(), fleet_max_quantized_layers=self.fleet_max_quantized_layers,
-                           scale_out_after_s=self.scale_out_after_s)
+                           scale_out_after_s=self.scale_out_after_s, replica_timeout_s=self.replica_timeout_s,
+                           max_extra_replicas=self.max_extra_replicas)
+
+    def request_router_config(self) -> dict[str, Any] | None:
+        """The engine deployment's `request_router_config` (None: Serve's default router)."""
+        if not self.pressure_router:
+            return None
+        from deployments.router import ROUTER_IMPORT_PATH
+
+        return {"request_router_class": ROUTER_IMPORT_PATH,
+                "request_router_kwargs": {"stale_after_s": self.router_stale_after_s},
+                "request_routing_stats_period_s": self.router_stats_period_s,
+                "request_routing_stats_timeout_s": max(1.0, 2 * self.router_stats_period_s)}
 
     def ingress_settings(self) -> IngressSettings:
         # Ray Serve's proxy already returns x-request-id; the app must not add a second one.

@@ -3,19 +3,24 @@
 Ray Serve 2.60 lets a deployment publish its own numbers through a `record_autoscaling_stats()`
 method (a dict of floats, collected every `metrics_interval_s`) and lets `autoscaling_config.policy`
 name a function `(AutoscalingContext) -> (desired replicas, policy state)` that reads them from
-`ctx.aggregated_metrics[name][replica_id]`. Ray wraps a custom policy with the usual
-min/max_replicas bounds, up/downscale delays and scaling factors.
+`ctx.aggregated_metrics[name][replica_id]` (averaged over `look_back_period_s`). Ray wraps a custom
+policy with the usual min/max_replicas bounds, up/downscale delays and scaling factors.
 
 `morph_aware_policy` is Ray's default queue-length policy (ongoing requests per replica against
-`target_ongoing_requests`), raised by one replica for every engine replica whose latest directive
-asks to scale out: a replica that is already fully morphed and still under pressure cannot help
-itself any more, whatever its queue says.
+`target_ongoing_requests`), with two morph rules:
+  * out: one more replica for every engine replica whose directive asks to scale out (it has been
+    at its morph cap under pressure for `scale_out_after_s`: it cannot help itself any more,
+    whatever its queue says);
+  * in: never fewer replicas while any replica still holds quantized layers. When a burst ends the
+    replicas first restore full precision; only a fleet back at full precision shrinks, so the
+    load of a removed replica does not push the others straight back into morphing.
 """
 from __future__ import annotations
 
 from typing import Any
 
 SCALE_OUT_METRIC = "morphserve_scale_out"  # 1.0 while the replica's directive says scale_out
+QUANTIZED_METRIC = "morphserve_quantized_layers"  # layers the replica holds below full precision
 WAITING_METRIC = "morphserve_num_waiting"  # the engine's own waiting queue (informational)
 KV_USAGE_METRIC = "morphserve_kv_usage"
 POLICY_IMPORT_PATH = "deployments.autoscaling:morph_aware_policy"
@@ -25,11 +30,18 @@ def morph_aware_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
     desired, state = replica_queue_length_autoscaling_policy(ctx)
-    custom = ctx.aggregated_metrics or {}
-    asking = sum(1 for value in custom.get(SCALE_OUT_METRIC, {}).values() if value >= 0.5)
+    return morph_rules(desired, ctx.current_num_replicas, ctx.aggregated_metrics or {}), state
+
+
+def morph_rules(desired: float, current: int, metrics: dict[str, dict[Any, float]]) -> float:
+    """The queue policy's `desired`, raised for scale-out requests and held while morphed (pure)."""
+    asking = sum(1 for value in metrics.get(SCALE_OUT_METRIC, {}).values() if value >= 0.5)
     if asking:
-        desired = max(desired, ctx.current_num_replicas + asking)
-    return desired, state
+        desired = max(desired, current + asking)
+    morphed = any(value > 0 for value in metrics.get(QUANTIZED_METRIC, {}).values())
+    if morphed and desired < current:
+        desired = current
+    return desired
 
 
 def with_morph_policy(autoscaling_config: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,25 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 E2E_BUCKETS = QUEUE_BUCKETS = REQUEST_LATENCY_BUCKETS
 MORPH_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 
+# vLLM's boundaries for the metrics it has and we add (vllm/v1/metrics/loggers.py): token counts
+# in 1-2-5 steps up to the model's context, tokens per engine step in powers of two from 8.
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+STEP_TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+def token_count_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_model_len:
+                return out
+            out.append(value)
+        scale *= 10
+
+
 PREFIX = "morphserve_"
 
 
@@ -137,7 +156,8 @@ def default_backend() -> MetricsBackend:
 class ServeMetrics:
     """All MorphServe metrics for one model; every metric carries `model_name`."""
 
-    def __init__(self, model_name: str, backend: MetricsBackend | None = None):
+    def __init__(self, model_name: str, backend: MetricsBackend | None = None,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN):
         self.model_name = model_name
         self.backend = backend if backend is not None else default_backend()
         self._tags = {"model_name": model_name}
@@ -162,6 +182,12 @@ class ServeMetrics:
         self.actions = b.counter(PREFIX + "morph_actions", "Layer swaps (per layer) and KV resizes", m + ("kind",))
         self.swap_latency = b.histogram(PREFIX + "layer_swap_latency_seconds", "Layer swap time", MORPH_BUCKETS, m + ("direction",))
         self.resize_latency = b.histogram(PREFIX + "kv_resize_latency_seconds", "KV resize time", MORPH_BUCKETS, m + ("direction",))
+        lengths = token_count_buckets(max_model_len)
+        self.prompt_lengths = b.histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request", lengths, m)
+        self.generation_lengths = b.histogram(PREFIX + "request_generation_tokens", "Generated tokens per request", lengths, m)
+        self.iteration_tokens = b.histogram(PREFIX + "iteration_tokens_total", "Tokens per engine step", ITERATION_TOKEN_BUCKETS, m)
+        self.step_time = b.histogram(PREFIX + "step_time_seconds", "Engine step time by phase (prefill, decode, mixed)",
+                                     STEP_TIME_BUCKETS, m + ("phase",))
         self.burst = BurstMetrics(b, model_name)  # admission-time morphing, KV demand, SLO feedback
 
     def _t(self, **extra: str) -> dict[str, str]:
@@ -178,6 +204,14 @@ class ServeMetrics:
             self.prompt_tokens.inc(record.num_prompt_tokens, self._t())
         if record.num_output_tokens:
             self.generation_tokens.inc(record.num_output_tokens, self._t())
+        self.prompt_lengths.observe(record.num_prompt_tokens, self._t())
+        self.generation_lengths.observe(record.num_output_tokens, self._t())
+
+    def observe_steps(self, steps: list) -> None:
+        """Engine StepStats records (engine/step_stats.py): tokens per step, step time by phase."""
+        for step in steps:
+            self.iteration_tokens.observe(step.num_tokens, self._t())
+            self.step_time.observe(step.seconds, self._t(phase=step.phase))
 
     def observe_queue_time(self, seconds: float) -> None:
         self.queue_time.observe(seconds, self._t())

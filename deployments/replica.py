@@ -20,16 +20,18 @@ from ray import serve
 
 from controller.client import ControllerClient
 from deployments.app_args import AppArgs
-from deployments.autoscaling import KV_USAGE_METRIC, SCALE_OUT_METRIC, WAITING_METRIC
+from deployments.autoscaling import KV_USAGE_METRIC, QUANTIZED_METRIC, SCALE_OUT_METRIC, WAITING_METRIC
 from deployments.engine_client import (AdminUpdate, EngineErrorInfo, GenerateChunk, GenerateRequest, ModelInfo,
                                        chunk_from_output, error_info_from_exception, stream_with_error_chunks)
 from deployments.metrics import ServeMetrics
 from deployments.morph_loop import MorphLoop
+from deployments.router import ReplicaLoad
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("morphserve.replica")
+STEP_METRICS_INTERVAL_S = 1.0
 
 
 def resolve_device(wanted: str) -> str:
@@ -72,18 +74,20 @@ class LLMServer:
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
         self.replica_id = _replica_id()
         self.config = config = self.args.engine_config(resolve_device(self.args.device))
+        self.block_size = config.block_size
         started = time.monotonic()
         # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
         self.load_seconds = time.monotonic() - started
         self.created = int(time.time())
-        self.metrics = ServeMetrics(self.engine.model_name)
+        self.metrics = ServeMetrics(self.engine.model_name, max_model_len=self.engine.max_model_len)
         client = ControllerClient(self.replica_id, self.args.policy_config(), name=self.args.controller_name,
                                   namespace=self.args.controller_namespace, timeout_s=self.args.controller_timeout_s,
-                                  create_with=self.args.fleet_config())
+                                  create_with=self.args.fleet_config(), use_controller=self.args.fleet_controller)
         self.morph_loop = MorphLoop(self.engine, client, self.metrics, interval_s=self.args.report_interval_s,
                                     max_layers_per_step=self.args.max_layers_per_step, ladder=config.ladder)
         self.morph_loop.start()
+        self._step_metrics = asyncio.get_running_loop().create_task(self._export_step_stats())
         log.info("replica %s serves %s (loaded in %.1f s)", self.replica_id, self.engine.model_name, self.load_seconds)
 
     # -- EngineClient methods (called through the DeploymentHandle) --------------------------
@@ -190,16 +194,35 @@ class LLMServer:
         last = self.morph_loop.last
         return self.morph_loop.pins.mode or (last.directive.mode if last else self.args.mode)
 
+    async def _export_step_stats(self) -> None:
+        """Per-step records into the iteration histograms, once a second (the log is bounded)."""
+        while True:
+            await asyncio.sleep(STEP_METRICS_INTERVAL_S)
+            try:
+                self.metrics.observe_steps(self.engine.drain_step_stats())
+            except Exception:  # metrics never take the replica down
+                log.exception("could not export step metrics")
+
     # -- Ray Serve hooks ---------------------------------------------------------------------
     def record_autoscaling_stats(self) -> dict[str, float]:
         last = self.morph_loop.last
         snapshot = self.engine.pressure()
         return {SCALE_OUT_METRIC: 1.0 if last is not None and last.directive.scale_out else 0.0,
+                QUANTIZED_METRIC: float(self.engine.morph_state().num_quantized),
                 WAITING_METRIC: float(snapshot.num_waiting), KV_USAGE_METRIC: float(snapshot.kv_usage)}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the pressure-aware router (deployments/router.py) reads: free KV blocks now."""
+        snapshot = self.engine.pressure()
+        return ReplicaLoad(free_blocks=snapshot.kv_capacity_blocks - snapshot.kv_used_blocks,
+                           num_waiting=snapshot.num_waiting, block_size=self.block_size,
+                           taken_at=time.time()).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.
         if getattr(self, "morph_loop", None) is not None:
             self.morph_loop.cancel()
+        if getattr(self, "_step_metrics", None) is not None:
+            self._step_metrics.cancel()
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown(timeout_s=10.0)

@@ -42,6 +42,7 @@ from engine.morph.admission import AdmissionGrant, enact
 from engine.outputs import RequestOutput
 from engine.pressure import PressureSnapshot
 from engine.sampling_params import SamplingParams
+from engine.step_stats import StepLog, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class AsyncLLMEngine:
         self.engine = engine if engine is not None else LLMEngine(config)
         self._morph_log: collections.deque[tuple[int, ActionResult]] = collections.deque(maxlen=morph_log_len)
         self._morph_seq = 0
+        self._step_log = StepLog()  # what the recent model steps ran, for the iteration metrics
         # Something changed since the last step boundary (a command ran, a step moved layers or
         # produced tokens, which may have freed blocks): pending morph work is worth another step.
         self._morph_moving = False
@@ -120,6 +122,10 @@ class AsyncLLMEngine:
         cursor to pass next time. Results older than the log's length are dropped."""
         with self._cond:
             return self._morph_seq, tuple(r for seq, r in self._morph_log if seq > cursor)
+
+    def drain_step_stats(self) -> list[StepStats]:
+        """The model steps' records since the last call, oldest first (bounded); any thread."""
+        return self._step_log.drain()
 
     def _log_morph(self, results: tuple[ActionResult, ...] | list[ActionResult]) -> None:
         with self._cond:
@@ -298,6 +304,8 @@ class AsyncLLMEngine:
                 self._deliver(rid, e, last=True)
             return
         self._log_morph(result.morph_results)
+        if result.stats is not None:
+            self._step_log.record(result.stats)
         self._morph_moving = bool(result.morph_results or result.outputs)  # a failed request freed blocks too
         for out in result.outputs:
             if out.error is not None:  # the engine failed this request alone (already aborted)

@@ -27,6 +27,7 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.sequence import Sequence, SequenceStatus, StopChecker
 from engine.step_isolation import forward_isolating
+from engine.step_stats import StepStats
 from engine.structured_output import GrammarCompiler, GrammarState
 
 logger = logging.getLogger(__name__)
@@ -146,12 +147,20 @@ class LLMEngine:
         if out.is_empty:
             return StepResult((), morph_results)
         self._mark_scheduled(out, time.monotonic())
+        num_decode, started = self._num_decode_tokens(out), time.perf_counter()
         try:
             generators = [s.generator for s in self._sampled_seqs(out) if not s.params.greedy]
             sampled, failed = forward_isolating(out, self._forward, generators)
-            return StepResult(tuple(self._commit(sampled, failed)), morph_results)
+            outputs = tuple(self._commit(sampled, failed))
+            stats = StepStats(out.num_tokens - num_decode, num_decode, time.perf_counter() - started)
+            return StepResult(outputs, morph_results, stats)
         finally:
             self.monitor.on_step()
+
+    def _num_decode_tokens(self, out: SchedulerOutput) -> int:
+        """Decode chunks: one token with the whole prompt already in the KV cache (the rest is prefill)."""
+        return sum(1 for c in out.chunks if len(c.token_ids) == 1 and
+                   c.start_pos >= self._requests[c.request_id].num_prompt_tokens)
 
     def _at_step_boundary(self) -> tuple[ActionResult, ...]:
         """Where pending morph actions run: no model step is reading weights or KV now."""

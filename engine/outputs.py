@@ -7,6 +7,7 @@ from typing import Literal
 
 from engine.logprobs import PositionLogprobs
 from engine.morph.actions import ActionResult
+from engine.step_stats import StepStats
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -47,3 +48,4 @@ class StepResult:
     through). An action that stays waiting without changing anything is not repeated here."""
     outputs: tuple[RequestOutput, ...] = ()
     morph_results: tuple[ActionResult, ...] = ()
+    stats: StepStats | None = None  # tokens by phase and time of the model step (None: no model step)

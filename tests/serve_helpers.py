@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 import urllib.error
@@ -40,6 +41,8 @@ def ray_cluster(include_dashboard: bool = False) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
+    # On a loaded 2-core machine the raylet can take longer than Ray's 30 s to register.
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
     for attempt in range(3):
         try:
             ray.init(address="local", num_cpus=2, include_dashboard=include_dashboard, _node_ip_address="127.0.0.1",

@@ -91,7 +91,7 @@ def test_every_referenced_variable_is_defined(dash):
     refs = {a or b for a, b in re.findall(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", text)}
     builtins = {r for r in refs if r.startswith("__")}
     assert refs - builtins - defined == set()
-    assert {"application", "deployment", "replica", "slo_ttft"} <= defined
+    assert {"cluster", "application", "deployment", "replica", "slo_ttft"} <= defined
 
 
 def test_metric_extractor_sees_metric_names():
@@ -151,7 +151,7 @@ def test_slo_choices_are_ttft_bucket_boundaries(dash):
                     reason="promtool not installed (Debian: apt-get install prometheus)")
 def test_every_expression_parses_with_promtool(dash, tmp_path):
     values = {"${datasource}": "x", "$__rate_interval": "1m", "${slo_ttft}": "2",
-              "$slo_ttft": "2", "$application": ".*", "$deployment": ".*", "$replica": ".*"}
+              "$slo_ttft": "2", "$cluster": ".*", "$application": ".*", "$deployment": ".*", "$replica": ".*"}
     rules = []
     for i, t in enumerate(all_targets(dash)):
         expr = t["expr"]
@@ -305,3 +305,19 @@ def test_dry_run_prints_the_payload_and_contacts_nothing(dash, capsys):
     payload = json.loads(capsys.readouterr().out)
     assert payload["overwrite"] is True and payload["folderUid"] == "morphserve"
     assert payload["dashboard"]["title"] == dash["title"]
+
+
+def test_rows_for_the_fleet_serve_deployments_resources_and_lengths(dash):
+    titles = {p["title"] for p in dash["panels"] if p["type"] == "row"}
+    assert {"Fleet controller and routing", "Serve deployments", "Cluster resources",
+            "Request lengths and engine steps"} <= titles
+    heatmaps = [p for p in all_panels(dash) if p["type"] == "heatmap"]
+    assert {"ray_morphserve_request_prompt_tokens_bucket", "ray_morphserve_request_generation_tokens_bucket"} <= \
+        set().union(*(metric_names(t["expr"]) for p in heatmaps for t in p["targets"]))
+    assert all(t["format"] == "heatmap" and t["expr"].startswith("sum by (le)") for p in heatmaps for t in p["targets"])
+    ttft = next(p for p in all_panels(dash) if p["title"] == "TTFT P50 / P90 / P95 / P99 (fleet)")
+    assert [t["legendFormat"].split()[0] for t in ttft["targets"]] == ["P50", "P90", "P95", "P99"]
+    cluster = next(v for v in dash["templating"]["list"] if v["name"] == "cluster")
+    assert "ray_io_cluster" in cluster["definition"]
+    assert all('ray_io_cluster=~"$cluster"' in t["expr"] for t in all_targets(dash)), \
+        [t["expr"] for t in all_targets(dash) if "$cluster" not in t["expr"]]

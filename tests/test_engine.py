@@ -217,3 +217,17 @@ def test_monitor_windows_signals_on_the_engine_clock():
     now[0] = 106.5
     snap = monitor.snapshot()
     assert snap.ttft_recent_s is None and snap.throughput_tok_s == 0.0
+
+
+def test_every_step_returns_its_prefill_and_decode_tokens(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 43)), params)  # 40 tokens: two prefill chunks
+    engine.add_request("b", list(range(5, 15)), params)
+    steps = []
+    while engine.has_unfinished():
+        steps.append(engine.step().stats)
+    assert sum(s.num_prefill_tokens for s in steps) == 50
+    assert sum(s.num_decode_tokens for s in steps) == 2 * 3  # the first token of each comes from its prefill
+    assert steps[0].phase == "prefill" and steps[-1].phase == "decode"
+    assert all(s.num_tokens <= 32 and s.seconds > 0 for s in steps)

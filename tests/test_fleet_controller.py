@@ -60,7 +60,7 @@ def drive(fleet: FleetController, replicas: list[FakeReplica], rounds: int, cloc
     for _ in range(rounds):
         for r in replicas:
             r.apply(fleet.report(r.replica_id, r.snapshot(), r.state))
-        peak = max(peak, sum(r.state.num_quantized for r in replicas))
+            peak = max(peak, sum(r.state.num_quantized for r in replicas))
         if clock is not None:
             clock.now += 0.25
     return peak
@@ -78,6 +78,85 @@ def test_fleet_budget_goes_to_the_replica_under_most_pressure():
     assert status["replicas"]["hot"]["directive"]["source"] == "controller"
 
 
+class SlowReplica(FakeReplica):
+    """Applies each directive only at its next report (a restore waiting for live blocks)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._next: Directive | None = None
+
+    def snapshot(self) -> PressureSnapshot:
+        if self._next is not None:
+            FakeReplica.apply(self, self._next)
+        return super().snapshot()
+
+    def apply(self, directive: Directive) -> None:
+        self._next = directive
+
+
+def test_the_grant_moves_to_the_more_pressed_replica_without_ever_exceeding_the_budget():
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4), clock=FakeClock())
+    first, second = SlowReplica("first", 0.99, 0.5), SlowReplica("second", 0.9, 0.15)
+    assert drive(fleet, [first, second], rounds=30) <= 4
+    assert first.state.num_quantized == 4 and second.state.num_quantized == 0
+    first.queue_delay, second.queue_delay, second.kv_usage = 0.15, 0.8, 0.99  # the pressure moves
+    assert drive(fleet, [first, second], rounds=40) <= 4  # held layers, after every single report
+    assert second.state.num_quantized == 4 and first.state.num_quantized == 0
+    status = fleet.status()
+    assert status["replicas"]["second"]["grant"] == 4 and status["replicas"]["first"]["grant"] == 0
+    assert status["totals"]["granted_layers"] == 4
+
+
+def test_max_quantized_is_derived_from_the_same_grant_the_fleet_allows():
+    """The fleet's allowance owns the share (`grant`); the engine's admission bound (`max_quantized`)
+    is the policy's cap of that same grant, so admission-time morphs cannot exceed the fleet budget."""
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4), clock=FakeClock())
+    first, second = SlowReplica("first", 0.99, 0.5), SlowReplica("second", 0.9, 0.15)
+    seen = []
+    for _ in range(30):
+        for r in (first, second):
+            d = fleet.report(r.replica_id, r.snapshot(), r.state)
+            r.apply(d)
+            seen.append(d)
+            assert d.grant is not None and d.max_quantized == d.grant  # nothing forced: the bound is the grant
+        assert sum(d.max_quantized for d in seen[-2:]) <= 4
+    assert {d.grant for d in seen if d.source == "controller"} >= {0, 4}
+    # A budget that forces layers raises the bound above a smaller grant, never the grant itself.
+    forced = dataclasses.replace(first.state, forced_quantized=6,
+                                 layer_precisions=(Precision.INT4,) * 6 + (Precision.BF16,) * (NUM_LAYERS - 6))
+    d = fleet.report("first", first.snapshot(), forced)
+    assert d.max_quantized == 6 and d.grant <= 4
+
+
+def test_a_forgotten_replica_gives_its_grant_back():
+    clock = FakeClock()
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4, replica_timeout_s=2.0), clock=clock)
+    hot, warm = FakeReplica("hot", 0.99, 0.5), FakeReplica("warm", 0.9, 0.2)
+    drive(fleet, [hot, warm], rounds=30, clock=clock)
+    assert hot.state.num_quantized == 4 and warm.state.num_quantized == 0
+    drive(fleet, [warm], rounds=30, clock=clock)  # hot died: silent for 7.5 s
+    assert set(fleet.status()["replicas"]) == {"warm"} and warm.state.num_quantized == 4
+
+
+def test_the_fleet_gauges_follow_the_reports():
+    from deployments.metrics import InMemoryBackend
+
+    clock, backend = FakeClock(), InMemoryBackend()
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4, replica_timeout_s=2.0), clock=clock,
+                            metrics=backend)
+    hot, warm = FakeReplica("hot", 0.99, 0.5), FakeReplica("warm", 0.9, 0.2)
+    drive(fleet, [hot, warm], rounds=30, clock=clock)
+    m = backend.metrics
+    assert m["morphserve_fleet_budget_layers"].value() == 4 and m["morphserve_fleet_replicas"].value() == 2
+    assert m["morphserve_fleet_grant_layers"].value(replica="hot") == 4
+    assert m["morphserve_fleet_quantized_layers"].value(replica="hot") == 4
+    assert m["morphserve_fleet_grant_layers"].value(replica="warm") == 0
+    assert m["morphserve_fleet_budget_used_layers"].value() == 4
+    drive(fleet, [warm], rounds=12, clock=clock)
+    assert m["morphserve_fleet_forgotten_replicas"].value() == 1
+    assert m["morphserve_fleet_quantized_layers"].value(replica="hot") == 0
+
+
 def test_without_a_fleet_budget_each_replica_reaches_its_mode_cap():
     fleet = FleetController(FleetConfig(policy=PolicyConfig(mode="accuracy")), clock=FakeClock())
     replicas = [FakeReplica("a", 0.99, 0.5), FakeReplica("b", 0.95, 0.3)]
@@ -91,7 +170,10 @@ def test_scale_out_after_a_sustained_period_at_the_cap():
     a, b = FakeReplica("a", 0.99, 0.5), FakeReplica("b", 0.99, 0.5)
     drive(fleet, [a, b], rounds=15)  # reaches the cap of 6 (balanced, +2 a step) but not yet for 5 s
     assert a.state.num_quantized == 6 and fleet.scale_out_signal()["desired_extra_replicas"] == 0
+    directive = fleet.report("a", a.snapshot(), a.state)
+    assert not directive.scale_out and "before scale-out" in directive.reason  # what the autoscaler reads
     drive(fleet, [a, b], rounds=25)  # 6.25 s more of snapshots at the cap
+    assert fleet.report("a", a.snapshot(), a.state).scale_out
     signal = fleet.scale_out_signal()
     assert signal["saturated_replicas"] == ["a", "b"] and signal["desired_extra_replicas"] == 1
     a.queue_delay, a.kv_usage = 0.0, 0.5  # the load on a falls: it is no longer saturated
@@ -168,6 +250,35 @@ def test_client_falls_back_locally_and_retries_by_name():
     assert client.fallbacks == 2 and client.last_error is None
     assert client.last_directive.mode == "performance"  # the local fallback follows the fleet's mode
     assert client._runner.config.mode == "performance"
+
+
+def test_the_local_fallback_keeps_to_the_last_fleet_grant_and_waits_before_asking_to_scale_out():
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=2, scale_out_after_s=0.0), clock=FakeClock())
+
+    async def answer(*args):
+        return fleet.report(*args)
+
+    async def die(*args):
+        raise RuntimeError("controller gone")
+
+    handles = iter([FakeHandle(*[answer] * 6, die), FakeHandle(*[die] * 20)])
+    client = ControllerClient("r1", PolicyConfig(), timeout_s=0.05, resolve=lambda: next(handles),
+                              create_with=FleetConfig(scale_out_after_s=2.0))
+    replica = FakeReplica("r1", 0.99, 0.5)
+
+    async def run(rounds: int) -> list[Directive]:
+        out = []
+        for _ in range(rounds):
+            out.append(await client.report(replica.snapshot(), replica.state))
+            replica.apply(out[-1])
+        return out
+
+    answered = asyncio.run(run(6))
+    assert answered[-1].source == "controller" and answered[-1].grant == 2 and replica.state.num_quantized == 2
+    local = asyncio.run(run(12))  # 3 s of pressure at the grant, on the local policy alone
+    assert all(d.source == "local" for d in local) and replica.state.num_quantized == 2  # not the mode cap (6)
+    asked = [d.scale_out for d in local]
+    assert not asked[0] and asked[-1]  # only after scale_out_after_s (2 s) at the cap
 
 
 def test_client_without_ray_never_raises():

@@ -86,7 +86,8 @@ def test_ray_start_params_keep_gpu_work_off_the_head(rayservice):
 def test_head_ports_and_worker_gpus(rayservice):
     g = groups(rayservice)
     head_ports = {p["name"]: p["containerPort"] for c in containers(g["head"]) for p in c["ports"]}
-    assert head_ports == {"gcs": 6379, "dashboard": 8265, "serve": 8000, "metrics": 8080}
+    assert head_ports == {"gcs": 6379, "dashboard": 8265, "serve": 8000, "metrics": 8080,
+                          "as-metrics": 44217, "dash-metrics": 44227}
     for c in containers(g["worker"]):
         res = c["resources"]
         assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1"
@@ -138,5 +139,66 @@ def test_configmap_embeds_the_dashboard_json_verbatim():
 
 def test_kustomization_lists_every_manifest():
     (kustomization,) = load("kustomization.yaml")
-    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
     assert set(kustomization["resources"]) == manifests
+
+
+def test_secrets_reach_every_ray_container_from_the_secret_and_nothing_is_in_the_args(rayservice):
+    from deployments.app_args import ADMIN_TOKEN_ENV, API_KEY_ENV
+
+    (secret,) = load("secret.example.yaml")
+    assert secret["kind"] == "Secret" and "secret.example.yaml" not in load("kustomization.yaml")[0]["resources"]
+    for node_type, group in groups(rayservice).items():
+        for c in containers(group):
+            refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c.get("env", []) if "valueFrom" in e}
+            assert set(refs) >= {API_KEY_ENV, ADMIN_TOKEN_ENV}, (node_type, c["name"])
+            for ref in refs.values():
+                assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+                assert not ref.get("optional"), "a missing secret must stop the pod, not disable auth"
+    args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert "api_key" not in args and "admin_token" not in args
+
+
+def test_workers_keep_the_model_cache_on_a_claim_and_fetch_a_non_default_model_first(rayservice):
+    from kubernetes.client import ApiClient
+
+    (claim,) = load("model-cache-pvc.yaml")
+    model = ApiClient()._ApiClient__deserialize(claim, "V1PersistentVolumeClaim")
+    assert ApiClient().sanitize_for_serialization(model) == claim
+    spec = groups(rayservice)["worker"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "morphserve-cache"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    (init,) = spec["initContainers"]
+    assert init["command"][:3] == ["python", "-m", "ops.fetch_model"] and init["image"] == containers(
+        groups(rayservice)["worker"])[0]["image"]
+    mounts = {m["name"]: m["mountPath"] for c in [init, *spec["containers"]] for m in c["volumeMounts"]}
+    assert mounts == {"morphserve-cache": "/home/ray/.cache/morphserve"}
+
+
+def test_fetch_model_downloads_once_and_is_a_no_op_without_a_model(tmp_path):
+    from ops.fetch_model import fetch
+
+    calls = []
+
+    def download(repo_id, revision, local_dir, allow_patterns):
+        calls.append(repo_id)
+        (Path(local_dir) / "config.json").parent.mkdir(parents=True, exist_ok=True)
+        (Path(local_dir) / "config.json").write_text("{}")
+        return local_dir
+
+    assert fetch("", tmp_path, download=download) is None and calls == []
+    folder = fetch("org/model-1", tmp_path, download=download)
+    assert folder == tmp_path / "models" / "org--model-1" and (folder / "config.json").is_file()
+    assert fetch("org/model-1", tmp_path, download=download) == folder and calls == ["org/model-1"]
+    with pytest.raises(ValueError, match="repo id"):
+        fetch("../etc", tmp_path, download=download)
+
+
+def test_head_pod_monitor_scrapes_the_autoscaler_and_dashboard_metrics_with_a_job_label(rayservice):
+    monitors = {pm["spec"]["selector"]["matchLabels"]["ray.io/node-type"]: pm for pm in load("podmonitors.yaml")}
+    head_ports = {p["name"] for c in containers(groups(rayservice)["head"]) for p in c["ports"]}
+    assert {e["port"] for e in monitors["head"]["spec"]["podMetricsEndpoints"]} == {"metrics", "as-metrics", "dash-metrics"}
+    assert {"as-metrics", "dash-metrics"} <= head_ports
+    for node_type, pm in monitors.items():
+        label = pm["spec"]["jobLabel"]
+        assert label in groups(rayservice)[node_type]["template"]["metadata"]["labels"], node_type

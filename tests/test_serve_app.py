@@ -92,6 +92,15 @@ def test_autoscaling_gets_the_morph_aware_policy_and_counts_scale_out_requests()
     assert morph_aware_policy(ctx(48, [1.0, 1.0]))[0] == pytest.approx(6.0)  # the queue asks for more
 
 
+def test_autoscaling_scales_in_only_once_every_replica_is_back_at_full_precision():
+    from deployments.autoscaling import QUANTIZED_METRIC, SCALE_OUT_METRIC, morph_rules
+
+    quiet = {SCALE_OUT_METRIC: {0: 0.0, 1: 0.0}}
+    assert morph_rules(0.5, 2, {**quiet, QUANTIZED_METRIC: {0: 0.0, 1: 3.0}}) == 2  # still morphed: hold
+    assert morph_rules(0.5, 2, {**quiet, QUANTIZED_METRIC: {0: 0.0, 1: 0.0}}) == 0.5  # restored: shrink
+    assert morph_rules(3.0, 2, {**quiet, QUANTIZED_METRIC: {0: 2.0}}) == 3.0  # growing is never held back
+
+
 # ---- the running application ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ class IngressServer:
         if self._info is None:  # static facts: fetch once
             self._info = await self.engine.model_info()
             if self.metrics is None:
-                self.metrics = ServeMetrics(self._info.served_model_name)
+                self.metrics = ServeMetrics(self._info.served_model_name, max_model_len=self._info.max_model_len)
         return self._info
 
     def error_payload(self, exc: BaseException, rid: str) -> tuple[int, dict, dict[str, str]]:

@@ -13,8 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+from ops.monitoring.dashboard_rows import (admission_row, fleet_control_row, lengths_row, resources_row,
+                                           serve_deployments_row)
 from ops.monitoring.grafana_json import (Panel, Query, Row, custom_variable, dashboard,
                                          datasource_variable, query_variable)
+from ops.monitoring.promql import APP_SEL, CLUSTER, RATE, SEL, gauge, latency_panel, rate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_PATH = REPO_ROOT / "ops" / "monitoring" / "grafana" / "dashboards" / "morphserve.json"
@@ -24,8 +27,6 @@ CONFIGMAP_PATH = REPO_ROOT / "kubernetes" / "grafana-dashboard-configmap.yaml"
 SLO_TTFT_CHOICES = ["0.25", "0.5", "1", "2", "5", "10"]
 SLO_TTFT_DEFAULT = "2"
 
-SEL = 'application=~"$application", deployment=~"$deployment", replica=~"$replica"'
-RATE = "[$__rate_interval]"
 TTFT = "ray_morphserve_time_to_first_token_seconds"
 
 SLO_NOTE = (
@@ -36,20 +37,6 @@ SLO_NOTE = (
     "number. Ray exports boundaries as floats (le=\"2.0\"), hence the regex on le.")
 
 
-def quantile(q: float, metric: str, by: str = "", sel: str = SEL) -> str:
-    group = f"le, {by}" if by else "le"
-    return f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{sel}}}{RATE})))"
-
-
-def rate(metric: str, by: str = "", sel: str = SEL) -> str:
-    group = f" by ({by})" if by else ""
-    return f"sum{group} (rate({metric}{{{sel}}}{RATE}))"
-
-
-def gauge(metric: str, by: str, agg: str = "sum", sel: str = SEL) -> str:
-    return f"{agg} by ({by}) ({metric}{{{sel}}})"
-
-
 def slo_violation(by: str = "") -> str:
     group = f" by ({by})" if by else ""
     le = 'le=~"${slo_ttft}|${slo_ttft}.0"'
@@ -58,26 +45,18 @@ def slo_violation(by: str = "") -> str:
     return f"1 - ({within} / {total})"
 
 
-def latency_panel(title: str, metric: str, by: str, unit: str = "s", description: str = "") -> Panel:
-    legend = "{{" + by + "}}" if by else "fleet"
-    return Panel(title, (Query(quantile(0.5, metric, by), f"P50 {legend}"),
-                         Query(quantile(0.95, metric, by), f"P95 {legend}")),
-                 description=description or "histogram_quantile over _bucket rates; "
-                 "linear interpolation inside a bucket, so an estimate.", unit=unit)
-
-
 def fleet_row() -> Row:
     return Row("Fleet", (
         Panel("Request rate by finish reason", (Query(rate(
             "ray_morphserve_request_success_total", "finished_reason"), "{{finished_reason}}"),),
             unit="reqps", stacked=True),
-        latency_panel("TTFT P50 / P95 (fleet)", TTFT, ""),
+        latency_panel("TTFT P50 / P90 / P95 / P99 (fleet)", TTFT, ""),
         Panel("SLO violation rate (TTFT > $slo_ttft s, fleet)",
               (Query(slo_violation(), "fleet"),), description=SLO_NOTE, unit="percentunit"),
         Panel("Token throughput", (
             Query(rate("ray_morphserve_prompt_tokens_total"), "prompt"),
             Query(rate("ray_morphserve_generation_tokens_total"), "generation")), unit="short"),
-        latency_panel("Inter-token latency P50 / P95 (fleet)",
+        latency_panel("Inter-token latency P50 / P90 / P95 / P99 (fleet)",
                       "ray_morphserve_inter_token_latency_seconds", ""),
         Panel("Controller reachable (worst replica)", (Query(gauge(
             "ray_morphserve_controller_reachable", "application", agg="min")),),
@@ -89,15 +68,15 @@ def fleet_row() -> Row:
 
 def latency_row() -> Row:
     return Row("Latency per replica", (
-        latency_panel("TTFT P50 / P95 per replica", TTFT, "replica"),
-        latency_panel("Inter-token latency P50 / P95 per replica",
+        latency_panel("TTFT P50 / P90 / P95 / P99 per replica", TTFT, "replica"),
+        latency_panel("Inter-token latency P50 / P90 / P95 / P99 per replica",
                       "ray_morphserve_inter_token_latency_seconds", "replica"),
         Panel("SLO violation rate per replica (TTFT > $slo_ttft s)",
               (Query(slo_violation("replica"), "{{replica}}"),), description=SLO_NOTE,
               unit="percentunit"),
-        latency_panel("End-to-end latency P50 / P95", "ray_morphserve_e2e_request_latency_seconds",
+        latency_panel("End-to-end latency P50 / P90 / P95 / P99", "ray_morphserve_e2e_request_latency_seconds",
                       "replica"),
-        latency_panel("Request queue time P50 / P95", "ray_morphserve_request_queue_time_seconds",
+        latency_panel("Request queue time P50 / P90 / P95 / P99", "ray_morphserve_request_queue_time_seconds",
                       "replica"),
     ))
 
@@ -139,7 +118,7 @@ def memory_row() -> Row:
 
 
 def ray_serve_row() -> Row:
-    app = 'application=~"$application"'
+    app = APP_SEL
     return Row("Ray Serve", (
         Panel("HTTP request rate by status", (Query(rate(
             "ray_serve_num_http_requests_total", "status_code", sel=app), "{{status_code}}"),),
@@ -147,7 +126,7 @@ def ray_serve_row() -> Row:
         latency_panel("Processing latency per deployment",
                       "ray_serve_deployment_processing_latency_ms", "deployment", unit="ms"),
         Panel("Ongoing requests", (
-            Query("sum by (node_ip_address) (ray_serve_num_ongoing_http_requests)",
+            Query(f"sum by (node_ip_address) (ray_serve_num_ongoing_http_requests{{{CLUSTER}}})",
                   "HTTP proxy {{node_ip_address}}"),
             Query(gauge("ray_serve_replica_processing_queries", "replica"), "replica {{replica}}"))),
     ))
@@ -157,17 +136,21 @@ def build() -> dict:
     label_source = "ray_serve_deployment_replica_healthy"
     variables = [
         datasource_variable(),
-        query_variable("application", "Application", f"label_values({label_source}, application)"),
+        query_variable("cluster", "Ray cluster", f"label_values({label_source}, ray_io_cluster)",
+                       "The RayCluster (ray_io_cluster, set by the PodMonitors); empty when run locally."),
+        query_variable("application", "Application", f'label_values({label_source}{{{CLUSTER}}}, application)'),
         query_variable("deployment", "Deployment", f'label_values({label_source}'
-                       f'{{application=~"$application"}}, deployment)'),
-        query_variable("replica", "Replica", f'label_values({label_source}{{application=~'
-                       f'"$application", deployment=~"$deployment"}}, replica)'),
+                       f'{{{APP_SEL}}}, deployment)'),
+        query_variable("replica", "Replica", f'label_values({label_source}{{{APP_SEL}, '
+                       f'deployment=~"$deployment"}}, replica)'),
         custom_variable("slo_ttft", "TTFT SLO (s)", SLO_TTFT_CHOICES, SLO_TTFT_DEFAULT,
                         "TTFT service-level objective in seconds; must be a TTFT bucket boundary."),
     ]
-    rows = [fleet_row(), latency_row(), queue_row(), memory_row(), ray_serve_row()]
+    rows = [fleet_row(), fleet_control_row(), latency_row(), queue_row(), memory_row(), admission_row(),
+            lengths_row(), ray_serve_row(), serve_deployments_row(), resources_row()]
     return dashboard("morphserve", "MorphServe", rows, variables,
-                     "MorphServe engine replicas on Ray Serve: latency, queues, KV, morph state.")
+                     "MorphServe engine replicas on Ray Serve: latency, queues, KV, morph state, the fleet "
+                     "controller and router, admission-time morphing, Serve deployments, cluster resources.")
 
 
 def dashboard_text() -> str:

@@ -25,7 +25,7 @@ class Panel:
     queries: tuple[Query, ...]
     description: str = ""
     unit: str = "short"
-    kind: str = "timeseries"  # or "stat"
+    kind: str = "timeseries"  # or "stat", "heatmap" (queries: `sum by (le) (rate(x_bucket...))`)
     width: int = 8
     height: int = 8
     stacked: bool = False
@@ -38,15 +38,21 @@ class Row:
     panels: tuple[Panel, ...] = field(default_factory=tuple)
 
 
-def _target(query: Query, ref_id: str) -> dict[str, Any]:
-    return {"refId": ref_id, "datasource": dict(DATASOURCE), "expr": query.expr,
-            "legendFormat": query.legend or "__auto", "range": True, "editorMode": "code"}
+def _target(query: Query, ref_id: str, kind: str = "timeseries") -> dict[str, Any]:
+    target = {"refId": ref_id, "datasource": dict(DATASOURCE), "expr": query.expr,
+              "legendFormat": query.legend or "__auto", "range": True, "editorMode": "code"}
+    if kind == "heatmap":  # one series per bucket boundary, de-cumulated by Grafana
+        target.update(format="heatmap", legendFormat=query.legend or "{{le}}")
+    return target
 
 
 def _field_config(panel: Panel) -> dict[str, Any]:
     defaults: dict[str, Any] = {"unit": panel.unit, "color": {"mode": "palette-classic"},
                                 "thresholds": {"mode": "absolute",
                                                "steps": [{"color": "green", "value": None}]}}
+    if panel.kind == "heatmap":
+        defaults["custom"] = {"scaleDistribution": {"type": "linear"},
+                              "hideFrom": {"legend": False, "tooltip": False, "viz": False}}
     if panel.kind == "timeseries":
         defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
                               "showPoints": "never", "spanNulls": False,
@@ -61,6 +67,12 @@ def _field_config(panel: Panel) -> dict[str, Any]:
 
 
 def _options(panel: Panel) -> dict[str, Any]:
+    if panel.kind == "heatmap":
+        return {"calculate": False, "cellGap": 1, "yAxis": {"axisPlacement": "left", "unit": panel.unit},
+                "color": {"mode": "scheme", "scheme": "Oranges", "exponent": 0.5, "steps": 64, "fill": "dark-orange",
+                          "reverse": False},
+                "rowsFrame": {"layout": "le"}, "tooltip": {"mode": "single", "yHistogram": True},
+                "legend": {"show": True}, "showValue": "never", "filterValues": {"le": 1e-9}}
     if panel.kind == "stat":
         return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
                 "colorMode": "background", "graphMode": "none", "textMode": "auto",
@@ -77,7 +89,7 @@ def panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
             "description": panel.description, "datasource": dict(DATASOURCE),
             "gridPos": {"h": panel.height, "w": panel.width, "x": x, "y": y},
             "fieldConfig": _field_config(panel), "options": _options(panel),
-            "targets": [_target(q, ref_ids[i]) for i, q in enumerate(panel.queries)]}
+            "targets": [_target(q, ref_ids[i], panel.kind) for i, q in enumerate(panel.queries)]}
 
 
 def layout(rows: list[Row]) -> list[dict[str, Any]]:
@@ -109,9 +121,10 @@ def datasource_variable() -> dict[str, Any]:
             "refresh": 1, "includeAll": False, "multi": False}
 
 
-def query_variable(name: str, label: str, query: str) -> dict[str, Any]:
-    """A multi-value label variable; "All" means the regex `.*`, so `=~"$name"` matches everything."""
-    return {"name": name, "label": label, "type": "query", "datasource": dict(DATASOURCE),
+def query_variable(name: str, label: str, query: str, description: str = "") -> dict[str, Any]:
+    """A multi-value label variable; "All" means the regex `.*`, so `=~"$name"` matches everything
+    (a series without the label too)."""
+    return {"name": name, "label": label, "description": description, "type": "query", "datasource": dict(DATASOURCE),
             "definition": query, "query": {"query": query, "refId": f"{name}-values"},
             "refresh": 2, "regex": "", "sort": 1, "current": {}, "options": [], "hide": 0,
             "includeAll": True, "allValue": ".*", "multi": True}

@@ -31,7 +31,23 @@ RAY_SERVE_METRICS: dict[str, MetricKind] = {
     "ray_serve_deployment_replica_starts_total": "counter",
     "ray_serve_application_status": "gauge",
     "ray_serve_deployment_status": "gauge",
+    "ray_serve_num_http_error_requests_total": "counter",   # application, route, method, error_code
+    "ray_serve_num_deployment_http_error_requests_total": "counter",  # application, deployment, error_code
+    "ray_serve_deployment_error_counter_total": "counter",   # application, deployment, replica, exception_type
 }
+
+# Ray's node metrics (the metrics agent on every node; labels ip, SessionName, and GpuIndex /
+# GpuDeviceName for the GPU ones, which exist only on nodes with a GPU).
+RAY_NODE_METRICS: dict[str, MetricKind] = {
+    "ray_node_cpu_utilization": "gauge",
+    "ray_node_cpu_count": "gauge",
+    "ray_node_mem_used": "gauge",
+    "ray_node_mem_total": "gauge",
+    "ray_node_gpus_utilization": "gauge",
+    "ray_node_gram_used": "gauge",
+    "ray_node_gram_available": "gauge",
+}
+GPU_ONLY_METRICS = frozenset({"ray_node_gpus_utilization", "ray_node_gram_used", "ray_node_gram_available"})
 
 _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 _DOC_KINDS = {"(histograms)": "histogram", "(gauges)": "gauge", "(counters)": "counter"}
@@ -63,11 +79,15 @@ def project_metrics_from_code() -> dict[str, MetricKind] | None:
     """The metrics deployments/metrics.py creates (ServeMetrics on its in-memory backend), or
     None while that module cannot be imported."""
     try:
+        from controller.fleet_metrics import FleetMetrics
         from deployments.metrics import InMemoryBackend, ServeMetrics
+        from deployments.router import DECISIONS_METRIC
     except ImportError:
         return None
     backend = InMemoryBackend()
     ServeMetrics("catalog", backend)
+    FleetMetrics(backend)  # the fleet controller's gauges
+    backend.counter(DECISIONS_METRIC, "", ("decision",))  # the request router's
     return {name: metric.kind for name, metric in backend.metrics.items()}  # type: ignore[misc]
 
 
@@ -94,6 +114,6 @@ def known_series(repo_root: Path) -> set[str]:
     names: set[str] = set()
     for name, kind in project_metrics(repo_root).items():
         names |= exported_series(name, kind)
-    for name, kind in RAY_SERVE_METRICS.items():
+    for name, kind in {**RAY_SERVE_METRICS, **RAY_NODE_METRICS}.items():
         names |= exported_series(name, kind)
     return names

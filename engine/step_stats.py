@@ -1,0 +1,47 @@
+"""StepStats: what one engine step ran (tokens by phase, model time), for the iteration metrics.
+
+`LLMEngine.step()` returns one in its StepResult; the AsyncLLMEngine keeps the recent ones in a
+bounded StepLog that the serving layer drains now and then into histograms (`iteration_tokens_total`,
+step time by phase). Bounded, so a replica nobody drains never grows; the oldest records go first.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Literal
+
+StepPhase = Literal["prefill", "decode", "mixed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    num_prefill_tokens: int  # prompt tokens (chunks of prefills, recomputes included) in this step
+    num_decode_tokens: int  # one per decoding request
+    seconds: float  # model execution and sampling of this step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def phase(self) -> StepPhase:
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        return "prefill" if self.num_prefill_tokens else "decode"
+
+
+class StepLog:
+    def __init__(self, maxlen: int = 4096):
+        self._records: collections.deque[StepStats] = collections.deque(maxlen=maxlen)
+        self._lock = threading.Lock()  # written by the stepping thread, drained from elsewhere
+
+    def record(self, stats: StepStats) -> None:
+        with self._lock:
+            self._records.append(stats)
+
+    def drain(self) -> list[StepStats]:
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
+        return out

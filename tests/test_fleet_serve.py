@@ -1,0 +1,141 @@
+"""The fleet on a local Ray cluster with the real default model and two engine replicas (one thread
+each, small budgets): both report, a burst never takes the fleet past its accuracy budget, the
+pressure-aware router routes by KV, a killed replica is forgotten and its grant goes to the pressed
+survivor; then, on an autoscaling app, sustained pressure at the cap adds a replica and quiet
+restores every layer before the fleet shrinks again. Bounded: every wait has a deadline and all
+traffic stops itself."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.test_serve_morph import Traffic
+
+BUDGET = 4
+FLEET_CONTROLLER = {"controller_name": "test-fleet-controller", "controller_namespace": "morphserve-test-fleet"}
+# Per replica, as in tests/test_serve_morph.py: the weights + activation reserve + ~25 KV blocks, and
+# room for 16 running requests, so a burst queues for *memory* (what morphing relieves; queueing for
+# compute at batch > quantized_faster_max_batch asks for a replica instead of morphing).
+COMMON = {
+    # Generous report deadline: these tests share 2 loaded cores; a late report falls back locally.
+    "memory_budget": "280MiB", "mode": "performance", "report_interval_s": 0.1, "controller_timeout_s": 2.0,
+    "max_layers_per_step": 4, "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
+    "engine": {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 128, "num_threads": 1},
+    "engine_num_cpus": 0.5,
+}
+FLEET_ARGS = {**COMMON, **FLEET_CONTROLLER, "num_replicas": 2, "fleet_max_quantized_layers": BUDGET,
+              "replica_timeout_s": 6.0, "scale_out_after_s": 600.0}
+
+
+def controller_status(ray, names: dict) -> dict:
+    actor = ray.get_actor(names["controller_name"], namespace=names["controller_namespace"])
+    return ray.get(actor.status.remote(), timeout=30)
+
+
+class Sampler:
+    """Reads the controller's view every 0.1 s on a thread until stopped; keeps every view."""
+
+    def __init__(self, ray, names: dict):
+        self.views: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ray, names), daemon=True)
+        self._thread.start()
+
+    def _run(self, ray, names) -> None:
+        while not self._stop.is_set():
+            self.views.append({**controller_status(ray, names), "_t": time.monotonic()})
+            self._stop.wait(0.1)  # sampling period, not a synchronisation
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        return self.views
+
+
+def held(view: dict) -> int:
+    return sum(r["morph_state"]["num_quantized"] for r in view["replicas"].values())
+
+
+def serve_replica_names(ray, app: str, deployment: str = "LLMServer") -> dict[str, str]:
+    """Serve replica id -> actor name of the running replicas of one deployment."""
+    from ray.util import list_named_actors
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return {a["name"].rsplit("#", 1)[1]: a["name"] for a in list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def fleet_app():
+    from tests.serve_helpers import serve_app
+
+    with serve_app(FLEET_ARGS) as (ray, url):
+        yield ray, url
+
+
+@pytest.mark.slow
+def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_app):
+    from tests.serve_helpers import http, metrics_export_port, until
+
+    ray, url = fleet_app
+    names = serve_replica_names(ray, "morphserve")
+    assert len(names) == 2
+    until(lambda: set(controller_status(ray, FLEET_CONTROLLER)["replicas"]) == set(names), 60,
+          "both replicas in the controller's view")
+    sampler, traffic = Sampler(ray, FLEET_CONTROLLER), Traffic(url, workers=16, max_tokens=24)
+    try:
+        # Each replica alone would go to 30 layers (performance mode); together they get BUDGET.
+        until(lambda: sampler.views and held(sampler.views[-1]) == BUDGET, 180, "the fleet budget in use")
+        until(lambda: any("fleet budget grants" in (r["directive"] or {}).get("reason", "")
+                          for r in sampler.views[-1]["replicas"].values()), 60, "a replica capped by the budget")
+    finally:
+        results = traffic.stop()
+        views = sampler.stop()
+    assert all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:3]
+    assert max(held(v) for v in views) == BUDGET  # never above it, at any sample
+    assert all((v["totals"]["granted_layers"] or 0) <= BUDGET for v in views)
+    assert all(len(v["replicas"]) == 2 for v in views), sorted({len(v["replicas"]) for v in views})
+    # The router's decisions and the fleet gauges reach Ray's metrics export.
+    agent = f"http://127.0.0.1:{metrics_export_port(ray)}/metrics"
+    until(lambda: _sum(http("GET", agent)[1], "ray_morphserve_router_decisions_total", 'decision="admits"') > 0
+          and _sum(http("GET", agent)[1], "ray_morphserve_fleet_budget_layers", "") == BUDGET, 60,
+          "router decisions and fleet gauges in the exported metrics", every_s=1.0)
+
+
+def _sum(text: str, name: str, label: str) -> float:
+    total = 0.0
+    for line in str(text).splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_forgotten_and_its_grant_goes_to_the_pressed_survivor(fleet_app):
+    from tests.serve_helpers import until
+
+    ray, url = fleet_app
+    names = serve_replica_names(ray, "morphserve")
+    traffic = Traffic(url, workers=16, max_tokens=24)
+    try:
+        until(lambda: held(controller_status(ray, FLEET_CONTROLLER)) == BUDGET, 180, "the budget in use")
+        view = controller_status(ray, FLEET_CONTROLLER)
+        victim = max(view["replicas"], key=lambda rid: view["replicas"][rid]["morph_state"]["num_quantized"])
+        survivor = next(rid for rid in names if rid != victim)
+        assert view["replicas"][victim]["grant"] > 0  # the victim holds some of the budget
+        ray.kill(ray.get_actor(names[victim], namespace="serve"), no_restart=True)
+        killed = time.monotonic()
+        until(lambda: victim not in controller_status(ray, FLEET_CONTROLLER)["replicas"], 30, "the victim forgotten",
+              every_s=0.05)
+        forgotten_after = time.monotonic() - killed
+        after = until(lambda: (lambda v: v if v["replicas"].get(survivor, {}).get("grant") == BUDGET else None)(
+            controller_status(ray, FLEET_CONTROLLER)), 120, "the survivor granted the whole budget")
+    finally:
+        results = traffic.stop()
+    assert forgotten_after <= FLEET_ARGS["replica_timeout_s"] + 1.5, forgotten_after  # + one report and a poll
+    assert after["totals"]["granted_layers"] <= BUDGET and held(after) <= BUDGET
+    # Requests in flight on the killed replica fail (it died mid-stream); every other request succeeded.
+    ok = sum(1 for status, _ in results if status == 200)
+    assert ok >= len(results) - 16 and ok > 0

@@ -1,0 +1,49 @@
+"""The pressure-aware router's ranking (pure) and its stats round trip; the router itself runs in the
+2-replica fleet test (tests/test_fleet_serve.py)."""
+from __future__ import annotations
+
+from deployments.router import ReplicaLoad, rank_replicas
+
+NOW = 1000.0
+
+
+def load(free: int, waiting: int = 0, age: float = 0.1) -> ReplicaLoad:
+    return ReplicaLoad(free_blocks=free, num_waiting=waiting, block_size=16, taken_at=NOW - age)
+
+
+def test_requests_go_to_the_replicas_whose_kv_admits_them_now():
+    decision, ranks = rank_replicas({"full": load(1), "roomy": load(40), "queued": load(60, waiting=2)},
+                                    prompt_tokens=100, sent_blocks={}, now=NOW, stale_after_s=2.0)
+    # 100 tokens need 7 blocks: only "roomy" admits; "queued" has room but requests wait ahead (FCFS).
+    assert decision == "admits" and ranks == [["roomy"], ["queued"], ["full"]]
+
+
+def test_several_that_admit_share_one_rank_for_serve_to_break_the_tie_by_queue_length():
+    decision, ranks = rank_replicas({"a": load(20), "b": load(30), "c": load(2)}, prompt_tokens=64,
+                                    sent_blocks={}, now=NOW, stale_after_s=2.0)
+    assert decision == "admits" and ranks == [["a", "b"], ["c"]]
+
+
+def test_blocks_already_sent_since_the_stats_count_against_a_replica():
+    decision, ranks = rank_replicas({"a": load(20), "b": load(10)}, prompt_tokens=64, sent_blocks={"a": 18},
+                                    now=NOW, stale_after_s=2.0)
+    assert decision == "admits" and ranks == [["b"], ["a"]]
+
+
+def test_when_none_admits_the_most_headroom_goes_first():
+    decision, ranks = rank_replicas({"a": load(3, waiting=1), "b": load(5, waiting=4)}, prompt_tokens=200,
+                                    sent_blocks={}, now=NOW, stale_after_s=2.0)
+    assert decision == "kv_full" and ranks == [["b"], ["a"]]
+
+
+def test_stale_or_missing_stats_fall_back_to_serves_default():
+    assert rank_replicas({"a": load(20), "b": load(20, age=5.0)}, 10, {}, NOW, 2.0) == ("stale", [])
+    assert rank_replicas({"a": load(20), "b": None}, 10, {}, NOW, 2.0) == ("stale", [])
+    assert rank_replicas({}, 10, {}, NOW, 2.0) == ("stale", [])
+
+
+def test_stats_round_trip_and_foreign_stats_are_ignored():
+    original = load(12, waiting=3)
+    assert ReplicaLoad.from_stats(original.to_stats()) == original
+    assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
+    assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None
