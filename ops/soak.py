@@ -12,7 +12,6 @@ first idle plateau, end. Output: ops/soak_results/soak-<time>.json (--out to cha
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -23,9 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ops.soak_record import (RequestRecord, Sample, classify_requests, count_morph_cycles, integrity_totals,
+from ops.soak_record import (Sample, classify_requests, count_morph_cycles, integrity_totals,
                              memory_by_replica, verdict)
-from ops.soak_traffic import Traffic, http
+from ops.local_ray import http, init_local_ray
+from ops.soak_traffic import Traffic
 
 ADMIN = "soak-admin-token"
 CONTROLLER = {"controller_name": "soak-controller", "controller_namespace": "morphserve-soak"}
@@ -157,14 +157,7 @@ def local_app(args: dict):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to come up; a loaded machine may need more
-        try:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False)
-            break
-        except Exception as e:  # noqa: BLE001
-            ray.shutdown()
-            if "timed out during startup" not in str(e) or attempt == 2:
-                raise
+    init_local_ray(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="soak", route_prefix="/", blocking=False)

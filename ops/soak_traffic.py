@@ -1,35 +1,13 @@
 """Soak traffic: worker threads that send short chat requests while active, and record every one."""
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
-from typing import Any
 
+from ops.local_ray import http
 from ops.soak_record import RequestRecord
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
-         timeout_s: float = 120.0) -> tuple[int, Any]:
-    """(status, parsed JSON or text); (0, reason) when there is no answer."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-        return 0, str(err)
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
 
 
 class Traffic:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import socket
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Callable, Iterator
+
+from ops.local_ray import http, init_local_ray  # noqa: F401  (http: re-exported for the tests)
 
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -41,21 +39,10 @@ def ray_cluster(include_dashboard: bool = False) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
-    # On a loaded 2-core machine the raylet can take longer than Ray's 30 s to register.
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
-    for attempt in range(3):
-        try:
-            ray.init(address="local", num_cpus=2, include_dashboard=include_dashboard, _node_ip_address="127.0.0.1",
-                     _metrics_export_port=free_port(), log_to_driver=False,
-                     # Replicas push metrics to the agent every 2 s instead of 10 s: tests see them sooner.
-                     _system_config={"metrics_report_interval_ms": 2000})
-            break
-        except Exception as e:  # noqa: BLE001
-            # Ray gives its raylet 30 s to come up (fixed in ray/_private/node.py); on a machine whose
-            # cores are oversubscribed many times over, its agents import slower than that.
-            ray.shutdown()
-            if "timed out during startup" not in str(e) or attempt == 2:
-                raise
+    init_local_ray(num_cpus=2, include_dashboard=include_dashboard, _node_ip_address="127.0.0.1",
+                   _metrics_export_port=free_port(), log_to_driver=False,
+                   # Replicas push metrics to the agent every 2 s instead of 10 s: tests see them sooner.
+                   _system_config={"metrics_report_interval_ms": 2000})
     try:
         yield ray
     finally:
@@ -100,25 +87,6 @@ def serve_app(args: dict[str, Any], include_dashboard: bool = False) -> Iterator
                 yield ray, url
         finally:
             kill_controller(ray, args["controller_name"], args["controller_namespace"])
-
-
-def http(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
-         timeout_s: float = 120.0) -> tuple[int, Any]:
-    """(status, parsed JSON body or text) without raising on 4xx/5xx; (0, reason) when unreachable."""
-    data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
-        return 0, str(err)
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
 
 
 def admin_status(url: str, token: str) -> dict:
