@@ -11,9 +11,15 @@ policy with the usual min/max_replicas bounds, up/downscale delays and scaling f
   * out: one more replica for every engine replica whose directive asks to scale out (it has been
     at its morph cap under pressure for `scale_out_after_s`: it cannot help itself any more,
     whatever its queue says);
-  * in: never fewer replicas while any replica still holds quantized layers. When a burst ends the
-    replicas first restore full precision; only a fleet back at full precision shrinks, so the
-    load of a removed replica does not push the others straight back into morphing.
+  * in: never fewer replicas than the current target while any replica still holds quantized
+    layers. When a burst ends the replicas first restore full precision; only a fleet back at full
+    precision shrinks, so the load of a removed replica does not push the others straight back into
+    morphing;
+  * starting: never fewer replicas than the target while a replica is still starting. Loading the
+    model takes far longer than the replica's scale-out flag stays steady (its saturation clock
+    restarts whenever one snapshot is not pressured), so without this rule a replica asked for is
+    cancelled before it could serve, again and again. Limit: a replica Ray cannot place stays
+    pending (and counted) until it starts; the queue rule can shrink the fleet once it runs.
 """
 from __future__ import annotations
 
@@ -30,17 +36,22 @@ def morph_aware_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
     desired, state = replica_queue_length_autoscaling_policy(ctx)
-    return morph_rules(desired, ctx.current_num_replicas, ctx.aggregated_metrics or {}), state
+    return morph_rules(desired, ctx.current_num_replicas, ctx.aggregated_metrics or {},
+                       target=ctx.target_num_replicas), state
 
 
-def morph_rules(desired: float, current: int, metrics: dict[str, dict[Any, float]]) -> float:
-    """The queue policy's `desired`, raised for scale-out requests and held while morphed (pure)."""
+def morph_rules(desired: float, current: int, metrics: dict[str, dict[Any, float]], target: int | None = None) -> float:
+    """The queue policy's `desired`, raised for scale-out requests and held while morphed or while a
+    replica is starting (pure). `current`: running replicas; `target`: the autoscaler's current target
+    (running + starting; `current` when omitted)."""
+    target = current if target is None else target
     asking = sum(1 for value in metrics.get(SCALE_OUT_METRIC, {}).values() if value >= 0.5)
     if asking:
         desired = max(desired, current + asking)
     morphed = any(value > 0 for value in metrics.get(QUANTIZED_METRIC, {}).values())
-    if morphed and desired < current:
-        desired = current
+    starting = target > current
+    if (morphed or starting) and desired < target:
+        desired = target
     return desired
 
 

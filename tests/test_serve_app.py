@@ -101,6 +101,17 @@ def test_autoscaling_scales_in_only_once_every_replica_is_back_at_full_precision
     assert morph_rules(3.0, 2, {**quiet, QUANTIZED_METRIC: {0: 2.0}}) == 3.0  # growing is never held back
 
 
+def test_autoscaling_never_cancels_a_replica_that_is_still_starting():
+    from deployments.autoscaling import QUANTIZED_METRIC, SCALE_OUT_METRIC, morph_rules
+
+    # One replica runs, a second (asked for) is starting; its flag dropped meanwhile, nothing morphed.
+    quiet = {SCALE_OUT_METRIC: {0: 0.0}, QUANTIZED_METRIC: {0: 0.0}}
+    assert morph_rules(1.0, 1, quiet, target=2) == 2  # starting: hold the target
+    assert morph_rules(1.0, 1, {**quiet, QUANTIZED_METRIC: {0: 2.0}}, target=2) == 2  # morphed: hold the target
+    assert morph_rules(0.5, 2, quiet, target=2) == 0.5  # both running and quiet: Ray's policy shrinks
+    assert morph_rules(1.0, 1, {**quiet, SCALE_OUT_METRIC: {0: 1.0}}, target=2) == 2  # still asking: no third
+
+
 # ---- the running application ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
