@@ -75,6 +75,7 @@ class LLMServer:
         self.replica_id = _replica_id()
         self.config = config = self.args.engine_config(resolve_device(self.args.device))
         self.block_size = config.block_size
+        self._last_admission: dict[str, Any] | None = None  # served when a status cannot wait for a boundary
         started = time.monotonic()
         # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
@@ -174,13 +175,17 @@ class LLMServer:
         }
 
     async def _admission_status(self) -> dict[str, Any] | None:
-        """The admission morph's status, read at a step boundary; None when no boundary comes within
-        0.2 s (a long step), so an admin call never waits behind generation for longer."""
+        """The admission morph's status, read at a step boundary. When no boundary comes within 0.2 s
+        (a long step), the last one read, marked `"stale": true`, so an admin call never waits behind
+        generation for longer; None only before the first read."""
         try:
-            return await asyncio.wait_for(self.engine.run_at_step_boundary(
+            status = await asyncio.wait_for(self.engine.run_at_step_boundary(
                 lambda e: e.admission.status() if getattr(e, "admission", None) is not None else None), 0.2)
         except asyncio.TimeoutError:
-            return None
+            last = self._last_admission
+            return None if last is None else {**last, "stale": True}
+        self._last_admission = status
+        return status
 
     async def admin_set(self, update: AdminUpdate) -> dict[str, Any] | EngineErrorInfo:
         """The new status, or why the update is impossible (as a value: see engine_client)."""
