@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.test_fleet_serve import BURST_DEADLINE_S, COMMON, Sampler, held, wait
+from tests.test_fleet_serve import BURST_DEADLINE_S, COMMON, Sampler, brief, held, wait
 from tests.test_serve_morph import Traffic
 
 SCALE_AFTER_S = 3.0
@@ -82,11 +82,13 @@ def test_sustained_pressure_at_the_cap_adds_a_replica_and_quiet_removes_it_after
         views = sampler.stop()
     assert all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:3]
     # Out: not before the replica had been at its cap under pressure for scale_out_after_s.
-    first_asked = next(v["_t"] for v in views if v["scale_out"]["desired_extra_replicas"] > 0)
-    first_at_cap = next(v["_t"] for v in views if any(r["at_cap_for_s"] > 0 for r in v["replicas"].values()))
+    # (The controller's own measure, on the replica's snapshot clock: the test's view of the controller is
+    # sampled, and on a loaded machine a sample can come a second or more after the clock started.)
+    asked = next(v for v in views if v["scale_out"]["desired_extra_replicas"] > 0)
+    assert max(r["at_cap_for_s"] for r in asked["replicas"].values()) >= SCALE_AFTER_S, brief(asked)
+    assert not any(v["scale_out"]["desired_extra_replicas"] > 0 for v in views if v["_t"] < asked["_t"])
     added = counter.first_time(lambda n: n >= 2)
-    assert first_asked - first_at_cap >= SCALE_AFTER_S - 0.5
-    assert added >= first_asked - 0.5
+    assert added >= asked["_t"] - 0.5  # Serve added it because the controller asked (the queue rule would not)
     # In: every layer restored first, then one replica removed.
     removed = next(t for t, n in counter.samples if t > stopped and n == 1)
     restored = next(v["_t"] for v in views if v["_t"] > stopped and held(v) == 0)
