@@ -86,7 +86,6 @@ def test_sustained_pressure_at_the_cap_adds_a_replica_and_quiet_removes_it_after
     # sampled, and on a loaded machine a sample can come a second or more after the clock started.)
     asked = next(v for v in views if v["scale_out"]["desired_extra_replicas"] > 0)
     assert max(r["at_cap_for_s"] for r in asked["replicas"].values()) >= SCALE_AFTER_S, brief(asked)
-    assert not any(v["scale_out"]["desired_extra_replicas"] > 0 for v in views if v["_t"] < asked["_t"])
     added = counter.first_time(lambda n: n >= 2)
     assert added >= asked["_t"] - 0.5  # Serve added it because the controller asked (the queue rule would not)
     # In: every layer restored first, then one replica removed.
