@@ -123,9 +123,16 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
     assert all(len(v["replicas"]) == 2 for v in views), sorted({len(v["replicas"]) for v in views})
     # The router's decisions and the fleet gauges reach Ray's metrics export.
     agent = f"http://127.0.0.1:{metrics_export_port(ray)}/metrics"
-    until(lambda: _sum(http("GET", agent)[1], "ray_morphserve_router_decisions_total", 'decision="admits"') > 0
-          and _sum(http("GET", agent)[1], "ray_morphserve_fleet_budget_layers", "") == BUDGET, 120,
-          "router decisions and fleet gauges in the exported metrics", every_s=1.0)
+    exported = until(lambda: (lambda text: text if _sum(text, DECISIONS, 'decision="admits"') > 0
+                              and _sum(text, "ray_morphserve_fleet_budget_layers", "") == BUDGET else None)(
+        str(http("GET", agent)[1])), 120, "router decisions and fleet gauges in the exported metrics", every_s=1.0)
+    # The router routed by KV for most requests: its stats were fresh, it did not fall back to Serve's default.
+    by_kv = _sum(exported, DECISIONS, 'decision="admits"') + _sum(exported, DECISIONS, 'decision="kv_full"')
+    assert by_kv > _sum(exported, DECISIONS, 'decision="stale"'), [
+        line for line in exported.splitlines() if line.startswith(DECISIONS)]
+
+
+DECISIONS = "ray_morphserve_router_decisions_total"
 
 
 def _sum(text: str, name: str, label: str) -> float:
