@@ -51,7 +51,8 @@ class ControllerClient:
         self._name, self._namespace, self._create_with = name, namespace, create_with
         self._resolve = resolve or self._resolve_by_name
         self._runner = PolicyRunner(config or (create_with.policy if create_with else PolicyConfig()))
-        self._saturation = SaturationTimer((create_with or FleetConfig()).scale_out_after_s)
+        fleet = create_with or FleetConfig()
+        self._saturation = SaturationTimer(fleet.scale_out_after_s, fleet.scale_out_reset_after_s)
         self.use_controller = use_controller
         self._handle: Any = None
         self._reachable = False  # until the controller first answers

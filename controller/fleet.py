@@ -78,7 +78,8 @@ class FleetController:
         view = self._replicas.get(replica_id)
         if view is None:
             view = ReplicaView(collections.deque(maxlen=self._config.policy.history_len), morph_state, now,
-                               SaturationTimer(self._config.scale_out_after_s))
+                               SaturationTimer(self._config.scale_out_after_s,
+                                               self._config.scale_out_reset_after_s))
             self._replicas[replica_id] = view
         # Refreshed before forgetting the silent: a replica whose steps are slower than the timeout
         # reports rarely but is alive, and must keep its history (else no window ever fills).

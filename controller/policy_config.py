@@ -168,4 +168,7 @@ class FleetConfig(BaseModel):
         None, ge=0, description="accuracy budget: most quantized layers over all replicas together; None = no fleet cap")
     replica_timeout_s: float = Field(10.0, gt=0.0, description="a replica silent this long (controller clock) is forgotten")
     scale_out_after_s: float = Field(30.0, ge=0.0, description="a replica at its morph cap under pressure this long asks for a peer")
+    scale_out_reset_after_s: float = Field(
+        5.0, ge=0.0, description="saturation ends (and a scale-out request is withdrawn) only after this long without it: "
+                                 "single unpressured snapshots under a steady overload do not restart the clock")
     max_extra_replicas: int = Field(4, ge=0, description="most extra replicas scale_out_signal() asks for at once")

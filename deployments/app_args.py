@@ -39,6 +39,7 @@ class AppArgs(BaseModel):
     policy: dict[str, Any] = Field(default_factory=dict, description="PolicyConfig overrides (enter_after, relax_after, thresholds, ...)")
     fleet_max_quantized_layers: int | None = Field(None, ge=0, description="fleet accuracy budget: most quantized layers over all replicas")
     scale_out_after_s: float = Field(30.0, ge=0.0, description="a replica at its morph cap under pressure this long asks for a peer")
+    scale_out_reset_after_s: float = Field(5.0, ge=0.0, description="a scale-out request is withdrawn only after saturation has been absent this long (hysteresis)")
     replica_timeout_s: float = Field(10.0, gt=0.0, description="the controller forgets a replica silent this long and returns its grant")
     max_extra_replicas: int = Field(4, ge=0, description="most extra replicas the controller asks for at once")
     fleet_controller: bool = Field(True, description="false: no fleet controller; every replica runs its own policy (no fleet budget)")
@@ -129,7 +130,8 @@ class AppArgs(BaseModel):
 
     def fleet_config(self) -> FleetConfig:
         return FleetConfig(policy=self.policy_config(), fleet_max_quantized_layers=self.fleet_max_quantized_layers,
-                           scale_out_after_s=self.scale_out_after_s, replica_timeout_s=self.replica_timeout_s,
+                           scale_out_after_s=self.scale_out_after_s,
+                           scale_out_reset_after_s=self.scale_out_reset_after_s, replica_timeout_s=self.replica_timeout_s,
                            max_extra_replicas=self.max_extra_replicas)
 
     def request_router_config(self) -> dict[str, Any] | None:

@@ -16,9 +16,9 @@ policy with the usual min/max_replicas bounds, up/downscale delays and scaling f
     precision shrinks, so the load of a removed replica does not push the others straight back into
     morphing;
   * starting: never fewer replicas than the target while a replica is still starting. Loading the
-    model takes far longer than the replica's scale-out flag stays steady (its saturation clock
-    restarts whenever one snapshot is not pressured), so without this rule a replica asked for is
-    cancelled before it could serve, again and again. Limit: a replica Ray cannot place stays
+    model takes far longer than the replica's scale-out flag may stay up (it is withdrawn after
+    `scale_out_reset_after_s` without saturation, controller/saturation.py), so without this rule a
+    replica asked for could be cancelled before it serves. Limit: a replica Ray cannot place stays
     pending (and counted) until it starts; the queue rule can shrink the fleet once it runs.
 """
 from __future__ import annotations

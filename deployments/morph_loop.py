@@ -18,6 +18,7 @@ No Ray Serve here: tests drive it with a fake engine and a fake controller handl
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -34,6 +35,9 @@ from engine.precision import Precision
 from engine.pressure import PressureSnapshot
 
 log = logging.getLogger("morphserve.replica")
+# Changes of the quantized-layer count kept for the admin status (a benchmark sums them over the
+# replicas of a fleet); at most one per round, so 4096 cover ~17 min of a change every 0.25 s round.
+QUANTIZED_HISTORY_LEN = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +100,9 @@ class MorphLoop:
         self.pins = AdminPins()
         self.last: LoopRecord | None = None
         self.rounds = 0
+        # (wall clock, quantized layers) at every round where the count changed: the replica's own
+        # timeline, exact to one round, whichever replica a sampler's admin call happens to reach.
+        self.quantized_history: collections.deque[tuple[float, int]] = collections.deque(maxlen=QUANTIZED_HISTORY_LEN)
         self.action_counts: dict[str, int] = {}  # ActionResult status -> how many (the engine's morph log)
         self._task: asyncio.Task | None = None
         self._cursor = 0  # position in the engine's morph log already counted
@@ -147,6 +154,8 @@ class MorphLoop:
 
     async def run_once(self) -> LoopRecord:
         snapshot, state = await self.observe()
+        if not self.quantized_history or self.quantized_history[-1][1] != state.num_quantized:
+            self.quantized_history.append((time.time(), state.num_quantized))
         self._count_engine_results()
         self.metrics.set_pressure(snapshot)
         self.metrics.set_morph_state(state)
@@ -251,6 +260,7 @@ class MorphLoop:
                 "status": last.result.status if last.result else None,
                 "message": last.result.message if last.result else ""},
             "rounds": self.rounds,
+            "quantized_history": [[round(t, 3), n] for t, n in self.quantized_history],
             "action_results": dict(self.action_counts),
             "integrity": {"checks": self.integrity_checks, "failures": self.integrity_failures,
                           "last_error": self.last_integrity_error},

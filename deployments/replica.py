@@ -217,11 +217,12 @@ class LLMServer:
                 WAITING_METRIC: float(snapshot.num_waiting), KV_USAGE_METRIC: float(snapshot.kv_usage)}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the pressure-aware router (deployments/router.py) reads: free KV blocks now."""
+        """What the pressure-aware router (deployments/router.py) reads: the KV blocks a new request
+        may take now (free, less what running requests are owed and what the queue needs)."""
         snapshot = self.engine.pressure()
-        return ReplicaLoad(free_blocks=snapshot.kv_capacity_blocks - snapshot.kv_used_blocks,
-                           num_waiting=snapshot.num_waiting, block_size=self.block_size,
-                           taken_at=time.time()).to_stats()
+        return ReplicaLoad(free_blocks=snapshot.available_blocks - snapshot.waiting_demand_blocks,
+                           num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=time.time(),
+                           reservation_tokens=snapshot.reservation_tokens).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.

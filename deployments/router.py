@@ -7,12 +7,16 @@ the replica with the shortest queue within the first rank that accepts. Each rep
 `record_routing_stats()` (LLMServer) is pulled by Serve every `request_routing_stats_period_s` and
 reaches the router as `replica.routing_stats`.
 
-A replica's stats are its latest pressure figures: free KV blocks, waiting requests, block size and
-the wall-clock time they were taken. The router subtracts the blocks of the requests it has itself
-sent there since then (their prompts: what admission needs), so a burst does not all land on the
-replica that looked emptiest a moment ago. Then:
+A replica's stats are its latest pressure figures: the KV blocks a new request may take (free blocks
+net of demand: less what running requests are still owed inside their output reservation and what
+the waiting queue needs, engine/demand.py), waiting requests, block size, output reservation and the
+wall-clock time they were taken. A request needs the blocks admission reserves for it: its prompt
+plus the output reservation (capped by its max_tokens). The router subtracts the blocks of the
+requests it has itself sent there since the stats were taken, so a burst does not all land on the
+replica that looked emptiest a moment ago (limit: each ingress replica's router counts only its own
+sends; the next stats, every `request_routing_stats_period_s`, include everyone's). Then:
 
-    rank 1: replicas that can admit the request now (nothing waiting, headroom >= its prompt blocks);
+    rank 1: replicas that can admit the request now (nothing waiting, headroom >= its blocks);
             among them Serve takes the shortest queue (ties broken by queue length)
     rank 2..: the others, most headroom first
     stale or missing stats for any candidate, or a call other than `generate`:
@@ -39,10 +43,16 @@ Decision = str  # "admits" | "kv_full" | "stale" | "other_call"
 @dataclasses.dataclass(frozen=True)
 class ReplicaLoad:
     """One replica's routing stats, as its record_routing_stats() reported them."""
-    free_blocks: int  # committed KV blocks not in use
+    free_blocks: int  # KV blocks a new request may take: free, net of running and waiting demand
     num_waiting: int  # requests the engine has not admitted yet
     block_size: int  # tokens per KV block
     taken_at: float  # wall clock (time.time) when read
+    reservation_tokens: int = 0  # output tokens admission reserves per request (engine/demand.py)
+
+    def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
+        """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
+        output = self.reservation_tokens if max_tokens is None else min(max_tokens, self.reservation_tokens)
+        return math.ceil(max(1, prompt_tokens + max(0, output)) / self.block_size)
 
     def to_stats(self) -> dict[str, Any]:
         return {"kind": STATS_KIND, **dataclasses.asdict(self)}
@@ -53,20 +63,20 @@ class ReplicaLoad:
             return None
         try:
             return cls(int(stats["free_blocks"]), int(stats["num_waiting"]), max(1, int(stats["block_size"])),
-                       float(stats["taken_at"]))
+                       float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)))
         except (KeyError, TypeError, ValueError):
             return None
 
 
 def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], prompt_tokens: int, sent_blocks: dict[Hashable, int],
-                  now: float, stale_after_s: float) -> tuple[Decision, list[list[Hashable]]]:
+                  now: float, stale_after_s: float, max_tokens: int | None = None) -> tuple[Decision, list[list[Hashable]]]:
     """Pure: the ranks for one request, or ("stale", []) when any load is missing or older than
     `stale_after_s`. `sent_blocks`: blocks this router sent to each replica after its stats."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
         return "stale", []
     headroom = {rid: load.free_blocks - sent_blocks.get(rid, 0) for rid, load in loads.items()}
     admits = [rid for rid, load in loads.items()
-              if load.num_waiting == 0 and headroom[rid] >= math.ceil(max(1, prompt_tokens) / load.block_size)]
+              if load.num_waiting == 0 and headroom[rid] >= load.blocks_for(prompt_tokens, max_tokens)]
     rest = sorted((rid for rid in loads if rid not in admits), key=lambda rid: (-headroom[rid], loads[rid].num_waiting))
     ranks = ([admits] if admits else []) + [[rid] for rid in rest]
     return ("admits" if admits else "kv_full"), ranks
@@ -87,7 +97,8 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         now = time.time()
         loads = {r.replica_id: ReplicaLoad.from_stats(r.routing_stats) for r in candidate_replicas}
         sent = {rid: self._sent_since(rid, load.taken_at) for rid, load in loads.items() if load is not None}
-        decision, ranks = rank_replicas(loads, len(request.prompt_token_ids), sent, now, self.stale_after_s)
+        decision, ranks = rank_replicas(loads, len(request.prompt_token_ids), sent, now, self.stale_after_s,
+                                        request.max_tokens)
         self._count(decision)
         if decision == "stale":
             return await super().choose_replicas(candidate_replicas, pending_request)
@@ -101,7 +112,7 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         if request is None or load is None:
             return
         sent, now = self._sent[replica_id], time.time()
-        sent.append((now, math.ceil(max(1, len(request.prompt_token_ids)) / load.block_size)))
+        sent.append((now, load.blocks_for(len(request.prompt_token_ids), request.max_tokens)))
         while sent and now - sent[0][0] > 2 * self.stale_after_s:  # older than any stats we would use
             sent.popleft()
 

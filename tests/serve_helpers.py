@@ -66,7 +66,9 @@ def deployed(args: dict[str, Any], name: str = "morphserve") -> Iterator[str]:
     try:
         serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
-        until(lambda: http("GET", url + "/health")[0] == 200, 300, "the app to become healthy", every_s=0.5)
+        # Generous: on a loaded 2-core machine two replicas loading the model took 260 s (a healthy app
+        # returns at once; only a broken one waits the whole deadline).
+        until(lambda: http("GET", url + "/health")[0] == 200, 600, "the app to become healthy", every_s=0.5)
         yield url
     finally:
         serve.shutdown()

@@ -117,3 +117,25 @@ def test_quality_loss_reduction():
     assert quality_loss_reduction(0.1, 0.4) == pytest.approx(0.75)
     assert quality_loss_reduction(0.4, 0.4) == 0.0
     assert quality_loss_reduction(0.1, 0.0) is None and quality_loss_reduction(None, 0.3) is None
+
+
+def test_fleet_total_sums_each_replicas_value_at_that_time():
+    from ops.bench.metrics import fleet_total_at
+
+    histories = {"a": [[10.0, 0], [12.0, 4], [15.0, 2]], "b": [[11.0, 0], [13.0, 6]]}
+    assert [fleet_total_at(histories, t) for t in (9.0, 12.0, 12.5, 13.0, 16.0)] == [0, 4, 4, 10, 8]
+    assert fleet_total_at({}, 1.0) == 0
+
+
+def test_the_fleet_goal_needs_fewer_misses_and_fewer_quantized_layer_seconds():
+    from ops.bench.goals import fleet_goal
+    from ops.bench.metrics import Spread
+    from ops.bench.systems import FLEET_BASELINE, FLEET_PRESSURE
+
+    def row(misses, qls):
+        return {"slo_violations": Spread(misses, misses, misses, 1), "quantized_layer_s": Spread(qls, qls, qls, 1),
+                "ttft_s.p95": Spread(1.0, 1.0, 1.0, 1)}
+
+    assert fleet_goal({FLEET_BASELINE: row(10, 50.0), FLEET_PRESSURE: row(4, 20.0)}).endswith("-> REACHED")
+    assert fleet_goal({FLEET_BASELINE: row(10, 50.0), FLEET_PRESSURE: row(4, 60.0)}).endswith("-> not reached")
+    assert fleet_goal({FLEET_BASELINE: row(10, 50.0)}).endswith("n/a (missing runs)")

@@ -5,22 +5,13 @@ alone would not: target_ongoing_requests is out of reach), and when the traffic 
 is restored before the fleet shrinks back to one replica. Bounded and self-stopping."""
 from __future__ import annotations
 
-import os
-
 import threading
 import time
 
 import pytest
 
-from tests.test_fleet_serve import COMMON, Sampler, held
+from tests.test_fleet_serve import BURST_DEADLINE_S, COMMON, Sampler, brief, held, wait
 from tests.test_serve_morph import Traffic
-
-# Both fleet modules (2 real replicas) passed on their branch and failed in the last full run on the merged
-# main (wave 2, not yet diagnosed): issue 14 stays open until they pass again. Run them with
-# MORPHSERVE_FLEET_TESTS=1.
-pytestmark = pytest.mark.skipif(os.environ.get("MORPHSERVE_FLEET_TESTS") != "1",
-                                reason="2-replica fleet tests failing on the merged main (issue 14 open); "
-                                       "set MORPHSERVE_FLEET_TESTS=1 to run them")
 
 SCALE_AFTER_S = 3.0
 SCALE_CONTROLLER = {"controller_name": "test-autoscale-controller", "controller_namespace": "morphserve-test-scale"}
@@ -72,31 +63,31 @@ def scaling_app():
 
 @pytest.mark.slow
 def test_sustained_pressure_at_the_cap_adds_a_replica_and_quiet_removes_it_after_restoring(scaling_app):
-    from tests.serve_helpers import until
-
     ray, url = scaling_app
     counter, sampler = ReplicaCounter(), Sampler(ray, SCALE_CONTROLLER)
     try:
-        until(lambda: counter.latest() == 1 and sampler.views and len(sampler.views[-1]["replicas"]) == 1, 60,
-              "one replica reporting")
+        last = lambda: sampler.views[-1] if sampler.views else None  # noqa: E731
+        wait(lambda: counter.latest() == 1 and sampler.views and len(sampler.views[-1]["replicas"]) == 1, 120,
+             "one replica reporting", last)
         traffic = Traffic(url, workers=12, max_tokens=24)
         try:
-            until(lambda: counter.latest() == 2, 240, "Serve to add a replica")
-            until(lambda: len(sampler.views[-1]["replicas"]) == 2, 240, "the new replica reporting")
+            wait(lambda: counter.latest() == 2, BURST_DEADLINE_S, "Serve to add a replica", last)
+            wait(lambda: len(sampler.views[-1]["replicas"]) == 2, BURST_DEADLINE_S, "the new replica reporting", last)
         finally:
             results = traffic.stop()
         stopped = time.monotonic()
-        until(lambda: counter.latest() == 1, 240, "Serve to remove the extra replica")
+        wait(lambda: counter.latest() == 1, BURST_DEADLINE_S, "Serve to remove the extra replica", last)
     finally:
         counter.stop()
         views = sampler.stop()
     assert all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:3]
     # Out: not before the replica had been at its cap under pressure for scale_out_after_s.
-    first_asked = next(v["_t"] for v in views if v["scale_out"]["desired_extra_replicas"] > 0)
-    first_at_cap = next(v["_t"] for v in views if any(r["at_cap_for_s"] > 0 for r in v["replicas"].values()))
+    # (The controller's own measure, on the replica's snapshot clock: the test's view of the controller is
+    # sampled, and on a loaded machine a sample can come a second or more after the clock started.)
+    asked = next(v for v in views if v["scale_out"]["desired_extra_replicas"] > 0)
+    assert max(r["at_cap_for_s"] for r in asked["replicas"].values()) >= SCALE_AFTER_S, brief(asked)
     added = counter.first_time(lambda n: n >= 2)
-    assert first_asked - first_at_cap >= SCALE_AFTER_S - 0.5
-    assert added >= first_asked - 0.5
+    assert added >= asked["_t"] - 0.5  # Serve added it because the controller asked (the queue rule would not)
     # In: every layer restored first, then one replica removed.
     removed = next(t for t, n in counter.samples if t > stopped and n == 1)
     restored = next(v["_t"] for v in views if v["_t"] > stopped and held(v) == 0)

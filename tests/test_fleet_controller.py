@@ -176,9 +176,23 @@ def test_scale_out_after_a_sustained_period_at_the_cap():
     assert fleet.report("a", a.snapshot(), a.state).scale_out
     signal = fleet.scale_out_signal()
     assert signal["saturated_replicas"] == ["a", "b"] and signal["desired_extra_replicas"] == 1
-    a.queue_delay, a.kv_usage = 0.0, 0.5  # the load on a falls: it is no longer saturated
+    a.queue_delay, a.kv_usage = 0.0, 0.5  # the load on a falls: it is no longer saturated ...
     drive(fleet, [a], rounds=1)
+    assert fleet.scale_out_signal()["saturated_replicas"] == ["a", "b"]  # ... but one quiet snapshot is a gap
+    drive(fleet, [a], rounds=20)  # 5 s without saturation (scale_out_reset_after_s)
     assert fleet.scale_out_signal()["saturated_replicas"] == ["b"]
+
+
+def test_saturation_needs_sustained_absence_to_reset():
+    from controller.saturation import SaturationTimer
+
+    timer = SaturationTimer(after_s=3.0, reset_after_s=1.0)
+    assert not timer.update(True, False, 0.0) and timer.since is None  # the policy has not asked yet
+    asked = [timer.update(saturated=t % 1.0 != 0.5, policy_asks=True, now=t) for t in (x * 0.25 for x in range(1, 17))]
+    assert timer.since == 0.25 and asked[-1] and not asked[10]  # a single gap every second does not restart it
+    assert timer.update(False, False, 4.25) and timer.update(False, False, 5.0)  # a gap under 1 s still asks
+    assert not timer.update(False, False, 5.25) and timer.since is None  # 1 s without saturation: reset
+    assert not timer.update(True, True, 5.5) and timer.held_for(6.0) == 0.5  # a new episode starts from zero
 
 
 def test_silent_replicas_are_forgotten():

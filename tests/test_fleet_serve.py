@@ -6,21 +6,12 @@ restores every layer before the fleet shrinks again. Bounded: every wait has a d
 traffic stops itself."""
 from __future__ import annotations
 
-import os
-
 import threading
 import time
 
 import pytest
 
 from tests.test_serve_morph import Traffic
-
-# Both fleet modules (2 real replicas) passed on their branch and failed in the last full run on the merged
-# main (wave 2, not yet diagnosed): issue 14 stays open until they pass again. Run them with
-# MORPHSERVE_FLEET_TESTS=1.
-pytestmark = pytest.mark.skipif(os.environ.get("MORPHSERVE_FLEET_TESTS") != "1",
-                                reason="2-replica fleet tests failing on the merged main (issue 14 open); "
-                                       "set MORPHSERVE_FLEET_TESTS=1 to run them")
 
 BUDGET = 4
 FLEET_CONTROLLER = {"controller_name": "test-fleet-controller", "controller_namespace": "morphserve-test-fleet"}
@@ -34,6 +25,9 @@ COMMON = {
     "engine": {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 128, "num_threads": 1},
     "engine_num_cpus": 0.5,
 }
+# Deadlines: these modules run in the full suite on 2 cores beside other work; a replica's step can
+# take seconds there. Every wait is a poll; a generous deadline only costs time when something is wrong.
+BURST_DEADLINE_S = 300.0
 FLEET_ARGS = {**COMMON, **FLEET_CONTROLLER, "num_replicas": 2, "fleet_max_quantized_layers": BUDGET,
               "replica_timeout_s": 6.0, "scale_out_after_s": 600.0}
 
@@ -67,6 +61,26 @@ def held(view: dict) -> int:
     return sum(r["morph_state"]["num_quantized"] for r in view["replicas"].values())
 
 
+def brief(view: dict | None) -> str:
+    """The controller's view in one line per replica, for failure messages."""
+    if not view:
+        return "no controller view"
+    rows = [f"{rid[:8]}: held {r['morph_state']['num_quantized']}, grant {r['grant']}, kv {r['last_snapshot']['kv_usage']}, "
+            f"queue {r['last_snapshot']['queue_delay_s']:.2f} s, at cap {r['at_cap_for_s']} s, "
+            f"directive {(r['directive'] or {}).get('reason', '')!r}" for rid, r in view["replicas"].items()]
+    return f"scale_out {view['scale_out']}; " + "; ".join(rows)
+
+
+def wait(predicate, timeout_s: float, what: str, view=lambda: None, every_s: float = 0.1):
+    """`until`, with the controller's view in the failure message."""
+    from tests.serve_helpers import until
+
+    try:
+        return until(predicate, timeout_s, what, every_s=every_s)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; controller: {brief(view())}") from None
+
+
 def serve_replica_names(ray, app: str, deployment: str = "LLMServer") -> dict[str, str]:
     """Serve replica id -> actor name of the running replicas of one deployment."""
     from ray.util import list_named_actors
@@ -91,14 +105,15 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
     ray, url = fleet_app
     names = serve_replica_names(ray, "morphserve")
     assert len(names) == 2
-    until(lambda: set(controller_status(ray, FLEET_CONTROLLER)["replicas"]) == set(names), 60,
+    until(lambda: set(controller_status(ray, FLEET_CONTROLLER)["replicas"]) == set(names), 120,
           "both replicas in the controller's view")
     sampler, traffic = Sampler(ray, FLEET_CONTROLLER), Traffic(url, workers=16, max_tokens=24)
+    last = lambda: sampler.views[-1] if sampler.views else None  # noqa: E731
     try:
         # Each replica alone would go to 30 layers (performance mode); together they get BUDGET.
-        until(lambda: sampler.views and held(sampler.views[-1]) == BUDGET, 180, "the fleet budget in use")
-        until(lambda: any("fleet budget grants" in (r["directive"] or {}).get("reason", "")
-                          for r in sampler.views[-1]["replicas"].values()), 60, "a replica capped by the budget")
+        wait(lambda: sampler.views and held(sampler.views[-1]) == BUDGET, BURST_DEADLINE_S, "the fleet budget in use", last)
+        wait(lambda: any("fleet budget grants" in (r["directive"] or {}).get("reason", "")
+                         for r in sampler.views[-1]["replicas"].values()), 120, "a replica capped by the budget", last)
     finally:
         results = traffic.stop()
         views = sampler.stop()
@@ -108,9 +123,16 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
     assert all(len(v["replicas"]) == 2 for v in views), sorted({len(v["replicas"]) for v in views})
     # The router's decisions and the fleet gauges reach Ray's metrics export.
     agent = f"http://127.0.0.1:{metrics_export_port(ray)}/metrics"
-    until(lambda: _sum(http("GET", agent)[1], "ray_morphserve_router_decisions_total", 'decision="admits"') > 0
-          and _sum(http("GET", agent)[1], "ray_morphserve_fleet_budget_layers", "") == BUDGET, 60,
-          "router decisions and fleet gauges in the exported metrics", every_s=1.0)
+    exported = until(lambda: (lambda text: text if _sum(text, DECISIONS, 'decision="admits"') > 0
+                              and _sum(text, "ray_morphserve_fleet_budget_layers", "") == BUDGET else None)(
+        str(http("GET", agent)[1])), 120, "router decisions and fleet gauges in the exported metrics", every_s=1.0)
+    # The router routed by KV for most requests: its stats were fresh, it did not fall back to Serve's default.
+    by_kv = _sum(exported, DECISIONS, 'decision="admits"') + _sum(exported, DECISIONS, 'decision="kv_full"')
+    assert by_kv > _sum(exported, DECISIONS, 'decision="stale"'), [
+        line for line in exported.splitlines() if line.startswith(DECISIONS)]
+
+
+DECISIONS = "ray_morphserve_router_decisions_total"
 
 
 def _sum(text: str, name: str, label: str) -> float:
@@ -123,28 +145,36 @@ def _sum(text: str, name: str, label: str) -> float:
 
 @pytest.mark.slow
 def test_a_killed_replica_is_forgotten_and_its_grant_goes_to_the_pressed_survivor(fleet_app):
-    from tests.serve_helpers import until
-
     ray, url = fleet_app
     names = serve_replica_names(ray, "morphserve")
     traffic = Traffic(url, workers=16, max_tokens=24)
+    status = lambda: controller_status(ray, FLEET_CONTROLLER)  # noqa: E731
     try:
-        until(lambda: held(controller_status(ray, FLEET_CONTROLLER)) == BUDGET, 180, "the budget in use")
-        view = controller_status(ray, FLEET_CONTROLLER)
-        victim = max(view["replicas"], key=lambda rid: view["replicas"][rid]["morph_state"]["num_quantized"])
+        # A moment where the budget is in use and some replica holds a grant: that one is killed. (Its
+        # grant can move between two reports, so it is chosen by grant, not by layers held.)
+        view = wait(lambda: (lambda v: v if held(v) == BUDGET and _holder(v) else None)(status()),
+                    BURST_DEADLINE_S, "the budget in use with a replica holding a grant", status)
+        victim = _holder(view)
         survivor = next(rid for rid in names if rid != victim)
-        assert view["replicas"][victim]["grant"] > 0  # the victim holds some of the budget
         ray.kill(ray.get_actor(names[victim], namespace="serve"), no_restart=True)
         killed = time.monotonic()
-        until(lambda: victim not in controller_status(ray, FLEET_CONTROLLER)["replicas"], 30, "the victim forgotten",
-              every_s=0.05)
+        wait(lambda: victim not in status()["replicas"], 60, "the victim forgotten", status, every_s=0.05)
         forgotten_after = time.monotonic() - killed
-        after = until(lambda: (lambda v: v if v["replicas"].get(survivor, {}).get("grant") == BUDGET else None)(
-            controller_status(ray, FLEET_CONTROLLER)), 120, "the survivor granted the whole budget")
+        # The pressed survivor gets the whole budget back (it wants more than BUDGET layers).
+        after = wait(lambda: (lambda v: v if v["replicas"].get(survivor, {}).get("grant") == BUDGET else None)(
+            status()), BURST_DEADLINE_S, "the survivor granted the whole budget", status)
     finally:
         results = traffic.stop()
-    assert forgotten_after <= FLEET_ARGS["replica_timeout_s"] + 1.5, forgotten_after  # + one report and a poll
+    # Forgotten after replica_timeout_s of silence (controller clock), + slack for the poll's round trip
+    # to the controller actor on a loaded machine.
+    assert forgotten_after <= FLEET_ARGS["replica_timeout_s"] + 3.0, forgotten_after
     assert after["totals"]["granted_layers"] <= BUDGET and held(after) <= BUDGET
     # Requests in flight on the killed replica fail (it died mid-stream); every other request succeeded.
-    ok = sum(1 for status, _ in results if status == 200)
+    ok = sum(1 for code, _ in results if code == 200)
     assert ok >= len(results) - 16 and ok > 0
+
+
+def _holder(view: dict) -> str | None:
+    """The replica holding the largest grant that it has also used (layers held), or None."""
+    holding = [rid for rid, r in view["replicas"].items() if (r["grant"] or 0) > 0 and r["morph_state"]["num_quantized"] > 0]
+    return max(holding, key=lambda rid: (view["replicas"][rid]["grant"], rid)) if holding else None

@@ -47,3 +47,12 @@ def test_stats_round_trip_and_foreign_stats_are_ignored():
     assert ReplicaLoad.from_stats(original.to_stats()) == original
     assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
     assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None
+
+
+def test_a_request_needs_its_prompt_and_the_output_reservation_capped_by_max_tokens():
+    roomy = ReplicaLoad(free_blocks=8, num_waiting=0, block_size=16, taken_at=NOW, reservation_tokens=64)
+    assert roomy.blocks_for(100) == 11 and roomy.blocks_for(100, max_tokens=12) == 7
+    # 100 prompt tokens + 64 reserved = 11 blocks do not fit 8; with max_tokens 12 (7 blocks) they do.
+    assert rank_replicas({"r": roomy}, 100, {}, NOW, 2.0)[0] == "kv_full"
+    assert rank_replicas({"r": roomy}, 100, {}, NOW, 2.0, max_tokens=12) == ("admits", [["r"]])
+    assert ReplicaLoad.from_stats(roomy.to_stats()) == roomy

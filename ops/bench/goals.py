@@ -11,7 +11,7 @@ import dataclasses
 from typing import Mapping
 
 from ops.bench.metrics import Spread
-from ops.bench.systems import STATIC_FP, STATIC_INT4, VLLM
+from ops.bench.systems import FLEET_BASELINE, FLEET_PRESSURE, STATIC_FP, STATIC_INT4, VLLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,24 @@ def goal_lines(table: Mapping[str, Mapping[str, Spread]]) -> list[str]:
             if goal.min_loss_reduction is not None:
                 lines.append(_quality(table, system, goal.min_loss_reduction))
         lines.append(_vs_vllm(table, system))
+    if FLEET_BASELINE in table or FLEET_PRESSURE in table:
+        lines.append(fleet_goal(table))
     return lines
+
+
+def fleet_goal(table) -> str:
+    """Issue 14: the fleet controller + pressure-aware router has fewer SLO misses AND fewer quantized
+    layer-seconds than Serve's default router + each replica's local policy (same replicas, memory, trace)."""
+    head = (f"goal {FLEET_PRESSURE} vs {FLEET_BASELINE} (fewer SLO misses and fewer quantized layer-seconds)")
+    miss, bmiss = _m(table, FLEET_PRESSURE, "slo_violations"), _m(table, FLEET_BASELINE, "slo_violations")
+    qls, bqls = _m(table, FLEET_PRESSURE, "quantized_layer_s"), _m(table, FLEET_BASELINE, "quantized_layer_s")
+    p95, bp95 = _m(table, FLEET_PRESSURE, "ttft_s.p95"), _m(table, FLEET_BASELINE, "ttft_s.p95")
+    if None in (miss, bmiss, qls, bqls):
+        return f"{head}: n/a (missing runs)"
+    ok = miss < bmiss and qls < bqls
+    ttft = f"; P95 TTFT {bp95:.3g} s -> {p95:.3g} s" if None not in (p95, bp95) else ""
+    return (f"{head}: SLO misses {bmiss:g} -> {miss:g}, quantized layer-seconds {bqls:.1f} -> {qls:.1f}{ttft} "
+            f"-> {_verdict(ok)}")
 
 
 def _reaction(table, system) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import RequestRecord, ServerSample
@@ -130,6 +130,20 @@ def integral(samples: Sequence[ServerSample], name: str) -> float | None:
     if len(points) < 2:
         return None
     return sum(v * (t2 - t1) for (t1, v), (t2, _) in zip(points, points[1:]))
+
+
+def fleet_total_at(histories: Mapping[str, Sequence[Sequence[float]]], t: float) -> int:
+    """The quantized layers of a fleet at time `t`: each replica's value at `t` from its own history
+    of changes [(time, layers), ...] (deployments/morph_loop.py; 0 before its first entry), summed."""
+    total = 0
+    for history in histories.values():
+        value = 0
+        for at, layers in sorted(history):
+            if at > t:
+                break
+            value = int(layers)
+        total += value
+    return total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,7 +198,7 @@ def _markdown(results: BenchResults, table: dict[str, dict[str, Spread]], plots:
     if s.calibration:
         lines.append(f"- load calibration: {s.calibration}")
     lines += [f"- note: {n}" for n in s.notes]
-    lines += ["", "## Goals (issue 10)", ""] + ([f"- {g}" for g in s.goals] or ["- (not checked)"])
+    lines += ["", "## Goals (issue 10; with --fleet, issue 14)", ""] + ([f"- {g}" for g in s.goals] or ["- (not checked)"])
     lines += ["", "## Cross-check: our load generator vs `vllm bench serve`", ""] + (
         [f"- {c}" for c in s.crosscheck] or ["- (not run)"])
     for title, columns in _TABLES:

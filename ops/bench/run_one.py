@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ops.bench.loadgen import LoadGenConfig, LoadRequest, ServerSample, replay
+from ops.bench.metrics import fleet_total_at
 from ops.bench.report import SystemRun
 from ops.bench.server_process import ServerProcess, ServerStartError, free_port, http_get, http_post_json
 from ops.bench.systems import (BudgetPlan, SystemSpec, morphserve_app_args, morphserve_command, morphserve_labels,
@@ -130,7 +131,7 @@ def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequ
     # /admin/morph needs the bearer token, which the load generator's sampler does not send: sample it
     # here, on the same clock (the load generator's zero = its call time + start_delay_s, to within
     # the ms its session setup takes).
-    sampler = _AdminSampler(f"{base}/admin/morph", token, ctx.status_interval_s)
+    sampler = _AdminSampler(f"{base}/admin/morph", token, ctx.status_interval_s, spec.replicas)
     sampler.start(time.perf_counter() + config.start_delay_s)
     try:
         result = replay(requests, config)
@@ -140,33 +141,65 @@ def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequ
 
 
 class _AdminSampler:
-    def __init__(self, url: str, token: str, interval_s: float):
+    """Polls /admin/morph, which one replica answers per call. With several replicas, each answer also
+    carries that replica's own history of quantized-layer changes; at the end every sample's
+    `quantized_layers` becomes the fleet's total at that instant (metrics.fleet_total_at), so the
+    quantized layer-seconds count every replica, not whichever one Serve routed the poll to."""
+
+    def __init__(self, url: str, token: str, interval_s: float, replicas: int = 1):
         self.url, self.headers, self.interval_s = url, {"Authorization": f"Bearer {token}"}, interval_s
+        self.replicas = replicas
         self.samples: list[ServerSample] = []
+        self.histories: dict[str, list] = {}  # replica id -> its latest quantized_history
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+        self._wall_minus_perf = time.time() - time.perf_counter()
 
     def start(self, t0: float) -> None:
+        self._t0 = t0
         self._thread = threading.Thread(target=self._run, args=(t0,), daemon=True)
         self._thread.start()
+
+    def _poll(self, t0: float) -> None:
+        started = time.perf_counter()
+        try:
+            status, body = http_get(self.url, self.headers, timeout_s=5.0)
+            if status == 200:
+                self.samples.append(ServerSample(t_s=started - t0, values=morphserve_status(body),
+                                                 labels=morphserve_labels(body)))
+                parsed = json.loads(body)
+                if isinstance(parsed.get("quantized_history"), list):
+                    self.histories[str(parsed.get("replica_id"))] = parsed["quantized_history"]
+        except (OSError, ValueError):
+            pass  # a missed sample is a gap in the plot, not a failed run
 
     def _run(self, t0: float) -> None:
         while not self._stop.is_set():
             started = time.perf_counter()
-            try:
-                status, body = http_get(self.url, self.headers, timeout_s=5.0)
-                if status == 200:
-                    self.samples.append(ServerSample(t_s=started - t0, values=morphserve_status(body),
-                                                     labels=morphserve_labels(body)))
-            except (OSError, ValueError):
-                pass  # a missed sample is a gap in the plot, not a failed run
+            self._poll(t0)
             self._stop.wait(max(0.0, self.interval_s - (time.perf_counter() - started)))
 
-    def stop(self) -> list[ServerSample]:
+    def stop(self, final_polls: int = 40) -> list[ServerSample]:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        return list(self.samples)
+        if self.replicas <= 1:
+            return list(self.samples)
+        during_run = len(self.samples)  # the polls below only fetch histories; their samples are not kept
+        # Every replica's history, as of after the run (Serve picks the replica per call: poll until each answered).
+        seen_after = set()
+        for _ in range(final_polls):
+            if len(seen_after) >= self.replicas:
+                break
+            before = dict(self.histories)
+            self._poll(self._t0)
+            seen_after |= {rid for rid, h in self.histories.items() if h is not before.get(rid)}
+        offset = self._t0 + self._wall_minus_perf  # sampler time t_s -> wall clock
+        samples = list(self.samples)[:during_run]
+        return [dataclasses.replace(s, values={**s.values, "quantized_layers": float(fleet_total_at(self.histories, s.t_s + offset)),
+                                               "replicas_seen": float(len(self.histories))})
+                for s in samples]
 
 
 def _log(msg: str) -> None:

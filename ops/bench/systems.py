@@ -60,7 +60,8 @@ def fleet_note(systems) -> str | None:
     if fleet_switches_available():
         return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread; "
                 f"{FLEET_BASELINE} = {FLEET_SWITCHES[FLEET_BASELINE]}, {FLEET_PRESSURE} = {FLEET_SWITCHES[FLEET_PRESSURE]}; "
-                f"quantized layer-seconds from /admin/morph, which one replica answers per sample")
+                f"quantized layer-seconds summed over the replicas, from each replica's own quantized_history "
+                f"(GET /admin/morph), exact to one report interval")
     return (f"fleet: this build's AppArgs has no {sorted(FLEET_SWITCHES[FLEET_PRESSURE])} switches, so only "
             f"{FLEET_BASELINE} ran, as the app's default ({FLEET_REPLICAS} replicas, fleet controller, Serve's "
             f"router); the pressure-aware side is not measured here")
