@@ -19,7 +19,7 @@ import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.capability import detect_capability
-from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from engine.layers.attention import AttentionMetadata, DecodeBatch, PagedRuns, PrefillChunk, in_place_supported
 from engine.layers.packed import packing_available
 from engine.model import Transformer
 
@@ -48,7 +48,9 @@ class ModelRunner:
         self.capability = detect_capability(self.device)
         if packing_available(model.dtype, self.device):  # same bytes, so the ledger is unchanged
             model.pack_linears()
-        logger.info("device %s; model dtype %s", self.capability.describe(), str(model.dtype).removeprefix("torch."))
+        self.in_place_attention = in_place_supported(model.dtype, self.device)
+        logger.info("device %s; model dtype %s; attention %s", self.capability.describe(),
+                    str(model.dtype).removeprefix("torch."), "in place" if self.in_place_attention else "gather")
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """fp32 logits [number of chunks with needs_logits, vocab], in chunk order."""
@@ -89,10 +91,13 @@ class ModelRunner:
             positions.extend(range(c.start_pos, c.end_pos))
             last_row[i] = len(ids) - 1
         num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
-        meta = AttentionMetadata(
-            write_blocks=self._long(blocks), write_offsets=self._long(offsets),
-            decode=self._decode_batch([chunks[i] for i in order[:num_decodes]], block_size),
-            prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size))
+        if self.in_place_attention:
+            meta = self._in_place_meta([chunks[i] for i in order], first_row, order, blocks, offsets, block_size)
+        else:
+            meta = AttentionMetadata(
+                write_blocks=self._long(blocks), write_offsets=self._long(offsets),
+                decode=self._decode_batch([chunks[i] for i in order[:num_decodes]], block_size),
+                prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size))
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
         return StepInputs(self._long(ids), self._long(positions), meta, self._long(logit_rows),
                           tuple((first_row[i], last_row[i] + 1) for i in range(len(chunks))))
@@ -110,6 +115,24 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         if min(c.token_ids) < 0 or max(c.token_ids) >= vocab:
             raise ValueError(f"request {c.request_id}: token ids must lie in [0, {vocab})")
+
+    def _in_place_meta(self, ordered: list[ScheduledChunk], first_row: list[int], order: list[int],
+                       blocks: list[int], offsets: list[int], block_size: int) -> AttentionMetadata:
+        """Every chunk that reads the cache (a decode, a later prefill chunk) is one run of the in-place
+        kernel; a first chunk (start_pos 0) attends to its own fresh K/V."""
+        firsts, runs = [], []
+        for i, c in zip(order, ordered):
+            row, n = first_row[i], len(c.token_ids)
+            if c.start_pos == 0 and n > 1:
+                firsts.append(PrefillChunk(row, row + n, 0, None, None))
+            else:
+                runs.append((row, n, c.start_pos, c.block_table[:_num_blocks(c.end_pos, block_size)]))
+        paged = None
+        if runs:
+            width = max(len(r[3]) for r in runs)
+            paged = PagedRuns(torch.tensor([list(r[3]) + [0] * (width - len(r[3])) for r in runs], dtype=torch.long),
+                              *(torch.tensor([r[j] for r in runs], dtype=torch.long) for j in range(3)))
+        return AttentionMetadata(self._long(blocks), self._long(offsets), None, tuple(firsts), paged)
 
     def _decode_batch(self, decodes: list[ScheduledChunk], block_size: int) -> DecodeBatch | None:
         if not decodes:
