@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.capability import detect_capability
+from engine.kernels import available_reason
 from engine.layers.attention import AttentionMetadata, DecodeBatch, PagedRuns, PrefillChunk, in_place_supported
 from engine.layers.packed import packing_available
 from engine.model import Transformer
@@ -42,13 +44,20 @@ def _num_blocks(num_positions: int, block_size: int) -> int:
 class ModelRunner:
     """`storage` offers `layer(l) -> (k, v)`, each [max_blocks, block_size, num_kv_heads, head_dim]."""
 
-    def __init__(self, model: Transformer, storage, device: torch.device | str):
+    def __init__(self, model: Transformer, storage, device: torch.device | str,
+                 attention: Literal["auto", "in_place", "gather"] = "auto"):
+        """attention: "auto" reads the paged cache in place where the kernel serves this model (CPU,
+        fp32/bf16, built), else gathers; "gather" forces the torch route (benchmarks compare both)."""
         self.model, self.storage, self.device = model, storage, torch.device(device)
         self.num_layers = model.config.num_layers
         self.capability = detect_capability(self.device)
         if packing_available(model.dtype, self.device):  # same bytes, so the ledger is unchanged
             model.pack_linears()
-        self.in_place_attention = in_place_supported(model.dtype, self.device)
+        supported = in_place_supported(model.dtype, self.device)
+        if attention == "in_place" and not supported:
+            raise ValueError(f"in-place attention does not serve {model.dtype} on {self.device} here "
+                             f"({available_reason() or 'CPU with float32 or bfloat16 only'})")
+        self.in_place_attention = supported and attention != "gather"
         logger.info("device %s; model dtype %s; attention %s", self.capability.describe(),
                     str(model.dtype).removeprefix("torch."), "in place" if self.in_place_attention else "gather")
 

@@ -21,7 +21,7 @@ def _load() -> None:
         return
     if not LIBRARY.exists():
         _state["reason"] = f"{LIBRARY.name} not built (run `make kernels` or `python -m engine.kernels.build`)"
-    elif any(s.stat().st_mtime > LIBRARY.stat().st_mtime for s in SOURCES):
+    elif any(s.exists() and s.stat().st_mtime > LIBRARY.stat().st_mtime for s in SOURCES):
         _state["reason"] = f"{LIBRARY.name} is older than its source (rebuild: `make kernels`)"
     else:
         try:
