@@ -25,7 +25,7 @@ def command(output: Path = LIBRARY) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     lib_dirs = cpp_extension.library_paths()
     abi = int(torch.compiled_with_cxx11_abi())
-    return [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
+    return [os.environ.get("CXX", "g++"), "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", str(output),
             *[f"-L{d}" for d in lib_dirs], *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu", "-ltorch"]
 

@@ -3,15 +3,16 @@
 // One call covers a set of "runs": consecutive query rows of one request, run r has rows
 // [row_start[r], row_start[r] + num_rows[r]) at positions start_pos[r] + i, and sees keys at positions
 // <= its own (causal), found through block_tables[r]. A decode is a run of one row; a later prefill
-// chunk is a run of n rows. Work item = (run, kv head, tile of up to kTileRows query tokens); each
-// item converts one cache block of K (then of V) to fp32 once and uses it for all the item's query
-// rows (the tile's tokens x the kv head's group of query heads, GQA as in HF: q head h -> kv head
-// h / group). Softmax is exact two-pass in fp32 (the scores of the item stay in a buffer).
+// chunk is a run of n rows. Work item = (run, tile of up to kTileRows query tokens); each item
+// converts one cache block of K (then of V) to fp32 once and uses it for all the item's query rows
+// (the tile's tokens x every query head, GQA as in HF: q head h reads kv head h / group). Softmax is
+// exact two-pass in fp32 (the scores of the item stay in a buffer). Accumulation is fp32 throughout.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -53,58 +54,63 @@ struct Geometry {
   int64_t q_s0, q_s1, c_s0, c_s1, c_s2, o_s0, o_s1, table_s0;
 };
 
-// One work item. Rows of the tile: token t (0..nt), head j (0..group) -> row t * group + j.
-template <typename T>
+// One work item: a tile of nt query tokens of one run, every query head. Row r = t * hq + head (query
+// head `head` reads kv head head / group). A cache block is [bs, hkv, dim] contiguous, so each block
+// of K (then V) is converted to fp32 in one pass (software prefetch of the next block measured no gain).
+// DIM > 0: the head dimension known at compile time (fully vectorized loops); 0: any, at run time.
+template <typename T, int64_t DIM>
 void attend_item(const T* q, const T* k, const T* v, T* out, const int64_t* table, int64_t row0,
-                 int64_t pos0, int64_t nt, int64_t head, float scale, const Geometry& g,
-                 std::vector<float>& buf) {
-  const int64_t rows = nt * g.group, dim = g.dim, bs = g.block_size;
-  const int64_t keys = pos0 + nt;  // the last token of the tile sees [0, pos0 + nt)
-  const int64_t nblocks = (keys + bs - 1) / bs;
-  buf.resize(rows * dim * 2 + bs * dim + rows * keys);
+                 int64_t pos0, int64_t nt, float scale, const Geometry& g, std::vector<float>& buf) {
+  const int64_t dim = DIM > 0 ? DIM : g.dim, bs = g.block_size, hkv = g.hkv, hq = g.hq;
+  const int64_t rows = nt * hq, keys = pos0 + nt;  // the tile's last token sees [0, pos0 + nt)
+  const int64_t nblocks = (keys + bs - 1) / bs, block_elems = bs * hkv * dim;
+  buf.resize(rows * dim * 2 + block_elems + rows * keys);
   float* qf = buf.data();            // [rows, dim], pre-scaled
   float* acc = qf + rows * dim;      // [rows, dim]
-  float* blk = acc + rows * dim;     // [bs, dim]: one block of K or V in fp32
-  float* scores = blk + bs * dim;    // [rows, keys]
+  float* blk = acc + rows * dim;     // [bs, hkv, dim]: one block of K or V in fp32
+  float* scores = blk + block_elems; // [rows, keys]
   for (int64_t t = 0; t < nt; ++t)
-    for (int64_t j = 0; j < g.group; ++j) {
-      float* dst = qf + (t * g.group + j) * dim;
-      load_row(q + (row0 + t) * g.q_s0 + (head * g.group + j) * g.q_s1, dst, dim);
+    for (int64_t h = 0; h < hq; ++h) {
+      float* dst = qf + (t * hq + h) * dim;
+      load_row(q + (row0 + t) * g.q_s0 + h * g.q_s1, dst, dim);
       for (int64_t d = 0; d < dim; ++d) dst[d] *= scale;
     }
+  auto visible = [&](int64_t r) { return pos0 + r / hq + 1; };
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t first = b * bs, n = std::min(bs, keys - first);
-    const T* base = k + table[b] * g.c_s0 + head * g.c_s2;
-    for (int64_t i = 0; i < n; ++i) load_row(base + i * g.c_s1, blk + i * dim, dim);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < n; ++i) scores[r * keys + first + i] = dot(qf + r * dim, blk + i * dim, dim);
+    load_row(k + table[b] * g.c_s0, blk, n * hkv * dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = qf + r * dim;
+      const float* kh = blk + (r % hq) / g.group * dim;
+      for (int64_t i = 0; i < n; ++i) scores[r * keys + first + i] = dot(qr, kh + i * hkv * dim, dim);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {  // softmax over this row's visible keys, fp32
     float* s = scores + r * keys;
-    const int64_t visible = pos0 + r / g.group + 1;
+    const int64_t vis = visible(r);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < visible; ++i) mx = std::max(mx, s[i]);
+    for (int64_t i = 0; i < vis; ++i) mx = std::max(mx, s[i]);
     float sum = 0.f;
-    for (int64_t i = 0; i < visible; ++i) sum += (s[i] = std::exp(s[i] - mx));
+    for (int64_t i = 0; i < vis; ++i) sum += (s[i] = std::exp(s[i] - mx));
     const float inv = 1.f / sum;
-    for (int64_t i = 0; i < visible; ++i) s[i] *= inv;
-    for (int64_t i = visible; i < keys; ++i) s[i] = 0.f;
+    for (int64_t i = 0; i < vis; ++i) s[i] *= inv;
   }
   std::fill(acc, acc + rows * dim, 0.f);
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t first = b * bs, n = std::min(bs, keys - first);
-    const T* base = v + table[b] * g.c_s0 + head * g.c_s2;
-    for (int64_t i = 0; i < n; ++i) load_row(base + i * g.c_s1, blk + i * dim, dim);
+    load_row(v + table[b] * g.c_s0, blk, n * hkv * dim);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = pos0 + r / g.group + 1;
-      for (int64_t i = 0; i < n && first + i < visible; ++i)
-        axpy(scores[r * keys + first + i], blk + i * dim, acc + r * dim, dim);
+      const float* vh = blk + (r % hq) / g.group * dim;
+      const float* p = scores + r * keys + first;
+      float* a = acc + r * dim;
+      const int64_t m = std::min(n, visible(r) - first);
+      for (int64_t i = 0; i < m; ++i) axpy(p[i], vh + i * hkv * dim, a, dim);
     }
   }
   for (int64_t t = 0; t < nt; ++t)
-    for (int64_t j = 0; j < g.group; ++j) {
-      const float* src = acc + (t * g.group + j) * dim;
-      T* dst = out + (row0 + t) * g.o_s0 + (head * g.group + j) * g.o_s1;
+    for (int64_t h = 0; h < hq; ++h) {
+      const float* src = acc + (t * hq + h) * dim;
+      T* dst = out + (row0 + t) * g.o_s0 + h * g.o_s1;
       for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
     }
 }
@@ -116,7 +122,9 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
               "paged_attention: q and the caches must share a dtype");
   TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(), "paged_attention: K and V caches differ in layout");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(3) == 1, "paged_attention: the head dimension must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1, "paged_attention: q's head dimension must be contiguous");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == k.size(3) && k.stride(1) == k.size(2) * k.size(3),
+              "paged_attention: each cache block must be one contiguous [block_size, Hkv, D] run");
   TORCH_CHECK(q.size(2) == k.size(3) && q.size(1) % k.size(2) == 0, "paged_attention: head shapes do not match");
   for (const auto* t : {&tables, &row_start, &num_rows, &start_pos})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
@@ -151,22 +159,27 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  const int64_t items = static_cast<int64_t>(tiles.size()) * g.hkv;
-  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+  const int64_t items = static_cast<int64_t>(tiles.size());
+  auto run = [&]<int64_t DIM>(auto* qp, auto* kp, auto* vp, auto* op) {
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t w = begin; w < end; ++w) {
-        const auto& [r, t] = tiles[w / g.hkv];
-        attend_item(qp, kp, vp, op, tables + r * g.table_s0, rs[r] + t, sp[r] + t,
-                    std::min(kTileRows, nr[r] - t), w % g.hkv, static_cast<float>(scale), g, buf);
+        const auto& [r, t] = tiles[w];
+        attend_item<std::remove_pointer_t<decltype(op)>, DIM>(qp, kp, vp, op, tables + r * g.table_s0, rs[r] + t,
+            sp[r] + t, std::min(kTileRows, nr[r] - t), static_cast<float>(scale), g, buf);
       }
     });
   };
+  auto by_dim = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    if (g.dim == 64) run.template operator()<64>(qp, kp, vp, op);
+    else if (g.dim == 128) run.template operator()<128>(qp, kp, vp, op);
+    else run.template operator()<0>(qp, kp, vp, op);
+  };
   if (q.scalar_type() == at::kFloat)
-    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+    by_dim(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
   else
-    run(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-        out.data_ptr<c10::BFloat16>());
+    by_dim(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+           out.data_ptr<c10::BFloat16>());
   return out;
 }
 
