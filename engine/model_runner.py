@@ -100,13 +100,12 @@ class ModelRunner:
             positions.extend(range(c.start_pos, c.end_pos))
             last_row[i] = len(ids) - 1
         num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
-        if self.in_place_attention:
-            meta = self._in_place_meta([chunks[i] for i in order], first_row, order, blocks, offsets, block_size)
-        else:
-            meta = AttentionMetadata(
-                write_blocks=self._long(blocks), write_offsets=self._long(offsets),
-                decode=self._decode_batch([chunks[i] for i in order[:num_decodes]], block_size),
-                prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size))
+        decodes = [chunks[i] for i in order[:num_decodes]]
+        meta = AttentionMetadata(
+            write_blocks=self._long(blocks), write_offsets=self._long(offsets),
+            decode=None if self.in_place_attention else self._decode_batch(decodes, block_size),
+            prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size),
+            paged=self._paged_runs(decodes, block_size) if self.in_place_attention else None)
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
         return StepInputs(self._long(ids), self._long(positions), meta, self._long(logit_rows),
                           tuple((first_row[i], last_row[i] + 1) for i in range(len(chunks))))
@@ -125,23 +124,16 @@ class ModelRunner:
         if min(c.token_ids) < 0 or max(c.token_ids) >= vocab:
             raise ValueError(f"request {c.request_id}: token ids must lie in [0, {vocab})")
 
-    def _in_place_meta(self, ordered: list[ScheduledChunk], first_row: list[int], order: list[int],
-                       blocks: list[int], offsets: list[int], block_size: int) -> AttentionMetadata:
-        """Every chunk that reads the cache (a decode, a later prefill chunk) is one run of the in-place
-        kernel; a first chunk (start_pos 0) attends to its own fresh K/V."""
-        firsts, runs = [], []
-        for i, c in zip(order, ordered):
-            row, n = first_row[i], len(c.token_ids)
-            if c.start_pos == 0 and n > 1:
-                firsts.append(PrefillChunk(row, row + n, 0, None, None))
-            else:
-                runs.append((row, n, c.start_pos, c.block_table[:_num_blocks(c.end_pos, block_size)]))
-        paged = None
-        if runs:
-            width = max(len(r[3]) for r in runs)
-            paged = PagedRuns(torch.tensor([list(r[3]) + [0] * (width - len(r[3])) for r in runs], dtype=torch.long),
-                              *(torch.tensor([r[j] for r in runs], dtype=torch.long) for j in range(3)))
-        return AttentionMetadata(self._long(blocks), self._long(offsets), None, tuple(firsts), paged)
+    def _paged_runs(self, decodes: list[ScheduledChunk], block_size: int) -> PagedRuns | None:
+        """The decodes (rows [0, len(decodes))) as one-row runs of the in-place kernel."""
+        if not decodes:
+            return None
+        tables = [c.block_table[:_num_blocks(c.end_pos, block_size)] for c in decodes]
+        width = max(len(t) for t in tables)
+        n = len(decodes)
+        return PagedRuns(torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+                         torch.arange(n), torch.ones(n, dtype=torch.long),
+                         torch.tensor([c.start_pos for c in decodes], dtype=torch.long))
 
     def _decode_batch(self, decodes: list[ScheduledChunk], block_size: int) -> DecodeBatch | None:
         if not decodes:

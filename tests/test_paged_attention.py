@@ -141,3 +141,21 @@ def test_bad_block_id_is_rejected_not_read():
     chunk = ScheduledChunk("r", (1,), 5, (99, 0), needs_logits=True)  # writes to block 0, reads 99
     with pytest.raises(RuntimeError, match="block id 99 out of range"):
         run_step([chunk], storage, 0, 4, torch.float32, in_place=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_kernel_multi_row_runs_are_causal(dtype, tol):
+    """The op's runs of several rows (prefill chunks: the runner sends decodes only, since SDPA wins
+    there) mask causally inside the run, tiles of 8 rows included."""
+    from engine.kernels import paged_attention_op
+    storage, rng = make_storage(40, 2, 16, dtype), random.Random(3)
+    kc, vc = storage.layer(0)
+    runs = [(0, 19, 5), (19, 1, 30), (20, 9, 0)]  # (row_start, num_rows, start_pos)
+    q = torch.randn(29, 6, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ids = list(range(40))
+    rng.shuffle(ids)
+    tables = [ids[0:7] + [0], ids[7:15], ids[15:18] + [0] * 5]  # padded to 8 blocks
+    out = paged_attention_op()(q, kc, vc, torch.tensor(tables), *(torch.tensor(c) for c in zip(*runs)), 0.25)
+    for (row, n, start), table in zip(runs, tables):
+        ref = gather_reference(q[row:row + n], kc, vc, table, start, 0.25)
+        torch.testing.assert_close(out[row:row + n].double(), ref, atol=tol, rtol=tol)
