@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -30,7 +31,13 @@ def command(output: Path = LIBRARY) -> list[str]:
             *[f"-L{d}" for d in lib_dirs], *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu", "-ltorch"]
 
 
-def build(output: Path = LIBRARY) -> Path:
+def build(output: Path = LIBRARY) -> Path | None:
+    """The library, or None (said on stderr) when there is no C++ compiler: the engine then runs its
+    torch-only paths, so a machine without g++ still serves, only slower."""
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        print(f"no C++ compiler ({os.environ.get('CXX', 'g++')}): skipping the engine's CPU kernels "
+              "(decode attention falls back to gathering the KV blocks)", file=sys.stderr)
+        return None
     tmp = output.with_suffix(".so.tmp")  # a concurrent import never sees a half-written library
     cmd = command(tmp)
     print(" ".join(shlex.quote(c) for c in cmd), flush=True)
@@ -40,4 +47,5 @@ def build(output: Path = LIBRARY) -> Path:
 
 
 if __name__ == "__main__":
-    print(f"built {build()} (python {sysconfig.get_python_version()}, torch {torch.__version__})", file=sys.stderr)
+    if (built := build()) is not None:
+        print(f"built {built} (python {sysconfig.get_python_version()}, torch {torch.__version__})", file=sys.stderr)
