@@ -7,16 +7,17 @@
 // converts one cache block of K (then of V) to fp32 once and uses it for all the item's query rows
 // (the tile's tokens x every query head, GQA as in HF: q head h reads kv head h / group). Softmax is
 // exact two-pass in fp32 (the scores of the item stay in a buffer). Accumulation is fp32 throughout.
+// The engine sends it decodes only: for prefill chunks gather + SDPA is faster (engine/layers/attention.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
