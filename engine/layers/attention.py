@@ -4,9 +4,9 @@ Two routes, chosen once per runner (`in_place_supported`) and recorded in the me
 
 - in place (CPU, fp32/bf16, the compiled kernel built by `make`; engine/kernels/paged_attention.cpp):
   the decodes (step 2 below) are attended in one op call per layer that reads each request's K/V
-  blocks where they lie (no gather copy). Prefill chunks keep step 3 below: for a chunk of n tokens the gather is
-  O(context) against O(n * context) of attention, and SDPA's GEMMs beat the kernel's per-row dot
-  products there (a 256-token chunk at position 512: 3.3 ms gather + SDPA vs 26 ms in the kernel).
+  blocks where they lie (no gather copy). Prefill chunks keep step 3 below: for a chunk of n tokens
+  the gather is O(context) against O(n * context) of attention, and SDPA's GEMMs beat the kernel's
+  per-row dot products there (a 256-token chunk at position 512: 3.3 ms gather + SDPA vs 26 ms in the kernel).
 - torch (CUDA, or when the kernel is not built): steps 1-3 below; it gathers each request's blocks.
 
 One step runs a flat batch of T tokens (every scheduled chunk concatenated). The runner orders it
