@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.capability import detect_capability
-from engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from engine.kernels import available_reason
+from engine.layers.attention import AttentionMetadata, DecodeBatch, PagedRuns, PrefillChunk, in_place_supported
 from engine.layers.packed import packing_available
 from engine.model import Transformer
 
@@ -42,13 +44,22 @@ def _num_blocks(num_positions: int, block_size: int) -> int:
 class ModelRunner:
     """`storage` offers `layer(l) -> (k, v)`, each [max_blocks, block_size, num_kv_heads, head_dim]."""
 
-    def __init__(self, model: Transformer, storage, device: torch.device | str):
+    def __init__(self, model: Transformer, storage, device: torch.device | str,
+                 attention: Literal["auto", "in_place", "gather"] = "auto"):
+        """attention: "auto" reads the paged cache in place where the kernel serves this model (CPU,
+        fp32/bf16, built), else gathers; "gather" forces the torch route (benchmarks compare both)."""
         self.model, self.storage, self.device = model, storage, torch.device(device)
         self.num_layers = model.config.num_layers
         self.capability = detect_capability(self.device)
         if packing_available(model.dtype, self.device):  # same bytes, so the ledger is unchanged
             model.pack_linears()
-        logger.info("device %s; model dtype %s", self.capability.describe(), str(model.dtype).removeprefix("torch."))
+        supported = in_place_supported(model.dtype, self.device)
+        if attention == "in_place" and not supported:
+            raise ValueError(f"in-place attention does not serve {model.dtype} on {self.device} here "
+                             f"({available_reason() or 'CPU with float32 or bfloat16 only'})")
+        self.in_place_attention = supported and attention != "gather"
+        logger.info("device %s; model dtype %s; attention %s", self.capability.describe(),
+                    str(model.dtype).removeprefix("torch."), "in place" if self.in_place_attention else "gather")
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """fp32 logits [number of chunks with needs_logits, vocab], in chunk order."""
@@ -89,10 +100,12 @@ class ModelRunner:
             positions.extend(range(c.start_pos, c.end_pos))
             last_row[i] = len(ids) - 1
         num_decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
+        decodes = [chunks[i] for i in order[:num_decodes]]
         meta = AttentionMetadata(
             write_blocks=self._long(blocks), write_offsets=self._long(offsets),
-            decode=self._decode_batch([chunks[i] for i in order[:num_decodes]], block_size),
-            prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size))
+            decode=None if self.in_place_attention else self._decode_batch(decodes, block_size),
+            prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size),
+            paged=self._paged_runs(decodes, block_size) if self.in_place_attention else None)
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
         return StepInputs(self._long(ids), self._long(positions), meta, self._long(logit_rows),
                           tuple((first_row[i], last_row[i] + 1) for i in range(len(chunks))))
@@ -110,6 +123,17 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         if min(c.token_ids) < 0 or max(c.token_ids) >= vocab:
             raise ValueError(f"request {c.request_id}: token ids must lie in [0, {vocab})")
+
+    def _paged_runs(self, decodes: list[ScheduledChunk], block_size: int) -> PagedRuns | None:
+        """The decodes (rows [0, len(decodes))) as one-row runs of the in-place kernel."""
+        if not decodes:
+            return None
+        tables = [c.block_table[:_num_blocks(c.end_pos, block_size)] for c in decodes]
+        width = max(len(t) for t in tables)
+        n = len(decodes)
+        return PagedRuns(torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+                         torch.arange(n), torch.ones(n, dtype=torch.long),
+                         torch.tensor([c.start_pos for c in decodes], dtype=torch.long))
 
     def _decode_batch(self, decodes: list[ScheduledChunk], block_size: int) -> DecodeBatch | None:
         if not decodes:

@@ -25,7 +25,7 @@ from engine.precision import parse_dtype
 BLOCK_SIZE = 16
 
 
-def make_runner(model, batch: int, context: int):
+def make_runner(model, batch: int, context: int, attention: str | None = None):
     """A runner whose storage holds `batch` sequences of `context` tokens, and their decode step
     (the same as ops/bench/decode_step.py; repeated here so an older engine on PYTHONPATH can run it)."""
     per_seq = -(-(context + 1) // BLOCK_SIZE)
@@ -35,11 +35,12 @@ def make_runner(model, batch: int, context: int):
     chunks = tuple(ScheduledChunk(f"r{i}", ((7 * i + 11) % c.vocab_size,), context,
                                   tuple(range(i * per_seq, (i + 1) * per_seq)), needs_logits=True)
                    for i in range(batch))
-    return ModelRunner(model, storage, "cpu"), SchedulerOutput(chunks)
+    runner = ModelRunner(model, storage, "cpu") if attention is None else ModelRunner(model, storage, "cpu", attention)
+    return runner, SchedulerOutput(chunks)
 
 
-def profile_step(model, batch: int, context: int, steps: int, top: int) -> dict:
-    runner, step = make_runner(model, batch, context)
+def profile_step(model, batch: int, context: int, steps: int, top: int, attention: str | None = None) -> dict:
+    runner, step = make_runner(model, batch, context, attention)
     for _ in range(3):
         runner.execute(step)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -49,7 +50,7 @@ def profile_step(model, batch: int, context: int, steps: int, top: int) -> dict:
     total = sum(e.self_cpu_time_total for e in rows) / steps / 1e3
     ops = [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / steps / 1e3, 3),
             "calls_per_step": e.count // steps} for e in rows[:top]]
-    return {"batch": batch, "total_self_ms_per_step": round(total, 2), "ops": ops}
+    return {"batch": batch, "attention": attention or "default", "total_self_ms_per_step": round(total, 2), "ops": ops}
 
 
 def main(argv=None) -> None:
@@ -62,6 +63,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--attention", nargs="+", default=None, choices=["auto", "in_place", "gather"],
+                    help="attention route(s) of this tree's runner, profiled in turn (an older engine: omit)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import engine
@@ -69,9 +72,10 @@ def main(argv=None) -> None:
     report = {"engine": str(Path(engine.__file__).parent), "dtype": args.dtype, "threads": args.threads,
               "context": args.context, "loadavg_1_5_15": list(os.getloadavg()),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "profiles": [profile_step(model, b, args.context, args.steps, args.top) for b in args.batch]}
+              "profiles": [profile_step(model, b, args.context, args.steps, args.top, a)
+                           for b in args.batch for a in (args.attention or [None])]}
     for p in report["profiles"]:
-        print(f"\nbatch {p['batch']}: {p['total_self_ms_per_step']} ms self CPU per step")
+        print(f"\nbatch {p['batch']}, attention {p['attention']}: {p['total_self_ms_per_step']} ms self CPU per step")
         for o in p["ops"]:
             print(f"  {o['self_ms_per_step']:8.2f} ms  x{o['calls_per_step']:<4} {o['op']}")
     if args.out:

@@ -44,12 +44,12 @@ def decode_batch(batch: int, context: int, vocab: int) -> SchedulerOutput:
     return SchedulerOutput(chunks)
 
 
-def make_runner(model: Transformer, batch: int, context: int) -> ModelRunner:
+def make_runner(model: Transformer, batch: int, context: int, attention: str = "auto") -> ModelRunner:
     c, device = model.config, model.embed_weight.device
     blocks = batch * -(-(context + 1) // BLOCK_SIZE)
     storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, model.dtype, device,
                         max_blocks=blocks, capacity=blocks)
-    return ModelRunner(model, storage, device)
+    return ModelRunner(model, storage, device, attention)
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds (a loaded
@@ -69,23 +69,27 @@ def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int, clock=tim
 
 def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts: Sequence[int],
           batches: Sequence[int], context: int, rounds: int, steps: int,
-          clock=time.perf_counter) -> dict[str, dict[str, float]]:
-    """{"batch=<b>": {"int4=<n>": median seconds per step}} over interleaved rounds (one warm-up round)."""
-    runners = {b: (make_runner(model, b, context), decode_batch(b, context, model.config.vocab_size)) for b in batches}
-    samples: dict[tuple[int, int], list[float]] = {(b, n): [] for b in batches for n in counts}
+          clock=time.perf_counter, attention: Sequence[str] = ("auto",)) -> dict[str, dict[str, float]]:
+    """{"batch=<b>": {"int4=<n>": median seconds per step}} over interleaved rounds (one warm-up round);
+    with several attention routes the keys are "int4=<n> attention=<route>", the routes interleaved too."""
+    runners = {(b, a): (make_runner(model, b, context, a), decode_batch(b, context, model.config.vocab_size))
+               for b in batches for a in attention}
+    samples: dict[tuple[int, str, int], list[float]] = {(b, a, n): [] for b, a in runners for n in counts}
     for r in range(rounds + 1):
         for n in counts:
             for i in order[:n]:
                 switch.quantize(i)
             try:
-                for b, (runner, step) in runners.items():
+                for (b, a), (runner, step) in runners.items():
                     t = time_steps(runner, step, steps, clock)
                     if r > 0:  # round 0 warms caches and the kernels' packing paths
-                        samples[(b, n)].append(t)
+                        samples[(b, a, n)].append(t)
             finally:
                 for i in order[:n]:
                     switch.restore(i)
-    return {f"batch={b}": {f"int4={n}": statistics.median(samples[(b, n)]) for n in counts} for b in batches}
+    suffix = (lambda a: f" attention={a}") if len(attention) > 1 else (lambda a: "")
+    return {f"batch={b}": {f"int4={n}{suffix(a)}": statistics.median(samples[(b, a, n)])
+                           for a in attention for n in counts} for b in batches}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -102,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="consecutive steps timed per round")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "in_place", "gather"],
+                    help="attention route(s); several are interleaved, e.g. --attention in_place gather")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall, or cpu (process CPU time: steadier on a loaded machine, with --threads 1)")
     args = ap.parse_args(argv)
@@ -115,16 +121,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     order = resolve_swap_order(num_layers, name)
     int4 = {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4) for i in order.order[:max(args.layers)]}
     results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
-                    args.rounds, args.steps, CLOCKS[args.clock])
+                    args.rounds, args.steps, CLOCKS[args.clock], args.attention)
     report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
               "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
               "context": args.context, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
-              "swap_order": order.source, "int4": "rtn, group 128 (64 where needed)",
+              "swap_order": order.source, "attention": args.attention, "int4": "rtn, group 128 (64 where needed)",
               "median_seconds_per_step": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    print(f"{'':<10}" + "".join(f"{f'{n} INT4':>14}" for n in args.layers))
+    columns = list(next(iter(results.values())))
+    print(f"{'':<10}" + "".join(f"{c:>{max(14, len(c) + 2)}}" for c in columns))
     for key, row in results.items():
-        print(f"{key:<10}" + "".join(f"{row[f'int4={n}'] * 1e3:>11.2f} ms" for n in args.layers))
+        print(f"{key:<10}" + "".join(f"{row[c] * 1e3:>{max(14, len(c) + 2) - 3}.2f} ms" for c in columns))
+    if len(args.attention) > 1:
+        for key, row in results.items():
+            for n in args.layers:
+                base = row[f"int4={n} attention={args.attention[-1]}"]
+                print(key, f"int4={n}", " ".join(f"{a}/{args.attention[-1]} = {row[f'int4={n} attention={a}'] / base:.3f}"
+                                                 for a in args.attention[:-1]))
     print(f"{name} {args.dtype} on {torch.get_num_threads()} CPU threads, context {args.context}; "
           f"order {order.source} -> {args.out}")
 

@@ -1,0 +1,165 @@
+"""The in-place paged attention (engine/kernels/paged_attention.cpp, CPU) against references: a gather
+of each request's blocks attended in float64 (the reference lives here, in tests), and the engine's
+own torch route (gather + bmm/SDPA, what CUDA runs). Random block tables, GQA and MHA, fp32 and bf16,
+steps that mix decodes, first and later prefill chunks, and blocks moved by a KV shrink."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine.batch import ScheduledChunk
+from engine.block_pool import BlockPool
+from engine.kernels import available_reason
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_storage import KVStorage
+from engine.layers import attention
+from engine.model_runner import ModelRunner
+
+BS = 4  # block size: small, so that contexts span many blocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    # `make test` builds the library first: with a compiler present, a missing library is a failure.
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler: the kernel is not built and the engine uses the gather route")
+    assert available_reason() is None, available_reason()
+
+
+def gather_reference(q, k_cache, v_cache, table, start_pos, scale):
+    """q [n, Hq, D] at positions start_pos + i of one request -> [n, Hq, D] in float64."""
+    n, hq, _ = q.shape
+    end = start_pos + n
+    ids = torch.tensor(table[: -(-end // BS)], dtype=torch.long)
+    keys = k_cache.index_select(0, ids).flatten(0, 1)[:end].double()  # [end, Hkv, D]
+    values = v_cache.index_select(0, ids).flatten(0, 1)[:end].double()
+    group = hq // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [end, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    visible = torch.arange(end)[None, :] <= (start_pos + torch.arange(n))[:, None]  # [n, end]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+class _Runner(ModelRunner):
+    """Only `prepare`: the metadata of a step for the route chosen by `in_place`."""
+
+    def __init__(self, in_place: bool):
+        self.device, self.in_place_attention = torch.device("cpu"), in_place
+        self.model = type("M", (), {"max_positions": 1 << 20, "config": type("C", (), {"vocab_size": 10})()})()
+
+
+def make_storage(num_blocks, hkv, dim, dtype, layers=3):
+    s = KVStorage(layers, BS, hkv, dim, dtype, "cpu", max_blocks=num_blocks, capacity=num_blocks)
+    s.kv.copy_(torch.randn(s.kv.shape, generator=torch.Generator().manual_seed(0)).to(dtype))
+    return s
+
+
+def run_step(chunks, storage, layer, hq, dtype, in_place, seed=1):
+    """Attention output of one step, both routes sharing the fresh q/k/v. Returns out, q, and the cache."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(len(c.token_ids) for c in chunks)
+    hkv, dim = storage.num_kv_heads, storage.head_dim
+    q = torch.randn(t, hq, dim, generator=g).to(dtype)
+    k, v = torch.randn(t, hkv, dim, generator=g).to(dtype), torch.randn(t, hkv, dim, generator=g).to(dtype)
+    inputs = _Runner(in_place).prepare(chunks, BS)
+    kc, vc = storage.layer(layer)
+    out = attention.paged_attention(q, k, v, kc, vc, inputs.meta, scale=dim ** -0.5)
+    return out, q, inputs
+
+
+def random_step(rng, pool_ids, hq):
+    """Decodes, one first chunk and one later chunk, each request on random (non-contiguous) blocks."""
+    chunks, free = [], list(pool_ids)
+    rng.shuffle(free)
+    specs = [(rng.randint(0, 40), 1) for _ in range(5)] + [(0, rng.randint(2, 9)), (rng.randint(1, 30), rng.randint(2, 12))]
+    for i, (start, n) in enumerate(specs):
+        table = tuple(free.pop() for _ in range(-(-(start + n) // BS)))
+        chunks.append(ScheduledChunk(f"r{i}", tuple([1] * n), start, table, needs_logits=True))
+    rng.shuffle(chunks)
+    return chunks
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4), (9, 3)])
+def test_in_place_equals_gather_on_random_block_tables(dtype, tol, hq, hkv):
+    rng = random.Random(hq * 10 + hkv)
+    storage = make_storage(160, hkv, 16, dtype)
+    for trial in range(4):
+        chunks = random_step(rng, range(160), hq)
+        out, q, inputs = run_step(chunks, storage, trial % 3, hq, dtype, in_place=True, seed=trial)
+        assert inputs.meta.paged is not None and inputs.meta.decode is None
+        kc, vc = storage.layer(trial % 3)
+        for idx, (s, e) in enumerate(inputs.chunk_rows):
+            c = chunks[idx]
+            ref = gather_reference(q[s:e], kc, vc, c.block_table, c.start_pos, 16 ** -0.5)
+            torch.testing.assert_close(out[s:e].double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_matches_the_torch_route(dtype):
+    """The route CUDA runs (gather + bmm / SDPA) and the in-place one agree (the torch route rounds
+    scores and probabilities to the model dtype, the kernel keeps fp32: bf16 differs by that)."""
+    rng, hq = random.Random(7), 6
+    storage = make_storage(120, 2, 32, dtype)
+    chunks = random_step(rng, range(120), hq)
+    torch_out = run_step(chunks, storage, 1, hq, dtype, in_place=False)[0]
+    storage2 = make_storage(120, 2, 32, dtype)
+    kernel_out = run_step(chunks, storage2, 1, hq, dtype, in_place=True)[0]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel_out.float(), torch_out.float(), atol=tol, rtol=tol)
+
+
+def test_blocks_moved_by_a_shrink_attend_the_same():
+    """Requests hold blocks near the top; a shrink moves them below the new top (copy_blocks + remap),
+    and the same decode step gives the same output from the moved blocks."""
+    hq, hkv, dim, dtype = 6, 2, 16, torch.bfloat16
+    pool = BlockPool(capacity=64, max_blocks=64)
+    manager = KVCacheManager(pool, BS)
+    storage = make_storage(64, hkv, dim, dtype)
+    filler = pool.allocate(40)  # occupies the low ids, so the requests land high
+    contexts = {"a": 23, "b": 9, "c": 17}
+    for rid, n in contexts.items():
+        assert manager.allocate_slots(rid, n + 1)
+    pool.free(filler)
+    before = [ScheduledChunk(r, (1,), n, manager.block_table(r), needs_logits=True) for r, n in contexts.items()]
+    out_before = run_step(before, storage, 2, hq, dtype, in_place=True)[0]
+    mapping = pool.plan_shrink(24)
+    assert mapping and all(old >= 24 for old in mapping)  # the requests' blocks really move
+    storage.copy_blocks(mapping)
+    manager.remap(mapping)
+    pool.apply_shrink(mapping, 24)
+    storage.set_capacity(24)
+    after = [ScheduledChunk(r, (1,), n, manager.block_table(r), needs_logits=True) for r, n in contexts.items()]
+    assert all(max(c.block_table) < 24 for c in after)
+    out_after = run_step(after, storage, 2, hq, dtype, in_place=True)[0]
+    assert torch.equal(out_before, out_after)
+
+
+def test_bad_block_id_is_rejected_not_read():
+    storage = make_storage(8, 2, 16, torch.float32)
+    chunk = ScheduledChunk("r", (1,), 5, (99, 0), needs_logits=True)  # writes to block 0, reads 99
+    with pytest.raises(RuntimeError, match="block id 99 out of range"):
+        run_step([chunk], storage, 0, 4, torch.float32, in_place=True)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_kernel_multi_row_runs_are_causal(dtype, tol):
+    """The op's runs of several rows (prefill chunks: the runner sends decodes only, since SDPA wins
+    there) mask causally inside the run, tiles of 8 rows included."""
+    from engine.kernels import paged_attention_op
+    storage, rng = make_storage(40, 2, 16, dtype), random.Random(3)
+    kc, vc = storage.layer(0)
+    runs = [(0, 19, 5), (19, 1, 30), (20, 9, 0)]  # (row_start, num_rows, start_pos)
+    q = torch.randn(29, 6, 16, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ids = list(range(40))
+    rng.shuffle(ids)
+    tables = [ids[0:7] + [0], ids[7:15], ids[15:18] + [0] * 5]  # padded to 8 blocks
+    out = paged_attention_op()(q, kc, vc, torch.tensor(tables), *(torch.tensor(c) for c in zip(*runs)), 0.25)
+    for (row, n, start), table in zip(runs, tables):
+        ref = gather_reference(q[row:row + n], kc, vc, table, start, 0.25)
+        torch.testing.assert_close(out[row:row + n].double(), ref, atol=tol, rtol=tol)
