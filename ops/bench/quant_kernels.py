@@ -1,11 +1,12 @@
 """Micro-benchmark: candidate quantized linear kernels vs the engine's packed bf16 linear, per model shape and row count.
 
-    python -m ops.bench.quant_kernels --threads 2 [--rows 1 4 16 32] [--rounds 30] [--amx-candidate] [--out quant_kernels.json]
+    python -m ops.bench.quant_kernels --threads 2 [--rows 1 4 16 32] [--rounds 15] [--copies 30] [--amx-candidate] [--out quant_kernels.json]
 
 Shapes are the default model's (SmolLM2-135M: hidden 576, kv 192, intermediate 1536): o 576x576, fused
 q/k/v 576x960, fused gate/up 576x3072, down 1536x576 (in x out). bf16 activations. Every candidate of a
 (shape, rows) cell runs once per round, rounds interleaved, so load drift hits all alike; each sample is
-the mean of `--inner` back-to-back calls. Reported: the minimum and the median over rounds (ms per call)
+the mean call time over `--inner` passes through `--copies` weight copies (30 = the model's layer count, so
+the weights stream from memory as in a decode step instead of staying cache-hot). Reported: the minimum and the median over rounds (ms per call)
 and each candidate's ratio to `bf16_packed` (the engine's full-precision path, engine/layers/packed.py).
 
 Candidates: `bf16_plain` (F.linear); `int4_tinygemm` (the engine's Int4Linear: torch's
@@ -14,7 +15,8 @@ Candidates: `bf16_plain` (F.linear); `int4_tinygemm` (the engine's Int4Linear: t
 into a reused bf16 scratch by torch ops, then F.linear); `int8_onednn_dynamic` (activations quantized per
 tensor to uint8 on the fly, oneDNN `qlinear_pointwise` on a prepacked int8 weight: AMX-INT8, other
 numerics); with `--amx-candidate`, `int4_amx_fused` (ops/bench/int4_amx_candidate.cpp, compiled here with
-g++: int4pack blocks dequantized to bf16 in cache, AMX brgemm).
+g++: int4pack blocks dequantized to bf16 in cache, AMX brgemm) and `int4_amx_codes` (the same with the
+integer codes through AMX per group and the scales applied to the fp32 result).
 """
 from __future__ import annotations
 
@@ -61,8 +63,9 @@ def _dynamic_uint8(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
     return q.int_repr(), q.q_scale(), q.q_zero_point()
 
 
-def candidates(w: torch.Tensor, x: torch.Tensor, amx: bool) -> dict[str, Callable[[], torch.Tensor]]:
-    """name -> a call computing x @ w.T in that form (all weights built once, outside the timing)."""
+def candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> a call computing xs[0] @ w.T in that form (weights built once, outside the timing; the caller
+    sets xs[0], the activations, before timing)."""
     n, k = w.shape
     wb = w.to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(wb, 32)
@@ -74,29 +77,31 @@ def candidates(w: torch.Tensor, x: torch.Tensor, amx: bool) -> dict[str, Callabl
 
     def dequant_linear() -> torch.Tensor:
         torch.sub(codes, zeros, out=scratch).mul_(scales)
-        return F.linear(x, scratch.view(n, k))
+        return F.linear(xs[0], scratch.view(n, k))
 
     q8 = quantize_int8(w)
     qw = torch.ops.onednn.qlinear_prepack(q8.qweight, None)
     w_zp = torch.zeros(n, dtype=torch.long)
 
     def onednn_dynamic() -> torch.Tensor:
-        qx, s, zp = _dynamic_uint8(x)
+        qx, s, zp = _dynamic_uint8(xs[0])
         return torch.ops.onednn.qlinear_pointwise(qx, s, zp, qw, q8.scales, w_zp, None, 1.0, 0, torch.bfloat16,
                                                   "none", [], "")
 
     calls = {
-        BASELINE: lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-        "bf16_plain": lambda: F.linear(x, wb),
-        "int4_tinygemm": lambda: i4(x),
-        "int4_tinygemm_g32": lambda: i4_32(x),
-        "int8_pack_mm": lambda: i8(x),
+        BASELINE: lambda: torch.ops.mkldnn._linear_pointwise(xs[0], packed, None, "none", [], ""),
+        "bf16_plain": lambda: F.linear(xs[0], wb),
+        "int4_tinygemm": lambda: i4(xs[0]),
+        "int4_tinygemm_g32": lambda: i4_32(xs[0]),
+        "int8_pack_mm": lambda: i8(xs[0]),
         "int4_dequant_linear": dequant_linear,
         "int8_onednn_dynamic": onednn_dynamic,
     }
     if amx:
-        calls["int4_amx_fused"] = lambda: torch.ops.morphserve_bench.int4_amx_mm(x, i4.packed, i4.group_size,
+        calls["int4_amx_fused"] = lambda: torch.ops.morphserve_bench.int4_amx_mm(xs[0], i4.packed, i4.group_size,
                                                                                   i4.scales_and_zeros)
+        calls["int4_amx_codes"] = lambda: torch.ops.morphserve_bench.int4_amx_codes_mm(xs[0], i4.packed, i4.group_size,
+                                                                                        i4.scales_and_zeros)
     return calls
 
 
@@ -107,45 +112,53 @@ def max_error(calls: dict[str, Callable[[], torch.Tensor]], w: torch.Tensor, x: 
     return {name: round((f().float() - ref).abs().max().item() / scale, 5) for name, f in calls.items()}
 
 
-def time_cell(calls: dict[str, Callable[[], torch.Tensor]], rounds: int, inner: int) -> dict[str, list[float]]:
-    for f in calls.values():
-        for _ in range(3):
-            f()
-    samples: dict[str, list[float]] = {name: [] for name in calls}
+def time_cell(layers: list[dict[str, Callable[[], torch.Tensor]]], rounds: int, inner: int) -> dict[str, list[float]]:
+    """Per candidate, samples of ms per call; one sample = `inner` passes over all layers' copies (with one
+    copy the weights stay cache-hot; with as many as the model has layers they stream from memory)."""
+    names = list(layers[0])
+    for name in names:
+        for calls in layers:
+            calls[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(rounds):
-        for name, f in calls.items():
+        for name in names:
+            fs = [calls[name] for calls in layers]
             t0 = time.perf_counter()
             for _ in range(inner):
-                f()
-            samples[name].append((time.perf_counter() - t0) / inner * 1e3)
+                for f in fs:
+                    f()
+            samples[name].append((time.perf_counter() - t0) / (inner * len(fs)) * 1e3)
     return samples
 
 
-def run(rows: list[int], rounds: int, inner: int, amx: bool) -> list[dict]:
+def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool) -> list[dict]:
     out = []
+    xs: list[torch.Tensor] = [torch.empty(0)]
     with torch.inference_mode():
         for in_f, out_f in SHAPES:
-            w = torch.randn(out_f, in_f) * 0.05
+            weights = [torch.randn(out_f, in_f) * 0.05 for _ in range(copies)]
+            layers = [candidates(w, xs, amx) for w in weights]
             for m in rows:
-                x = torch.randn(m, in_f).to(torch.bfloat16)
-                calls = candidates(w, x, amx)
-                samples = time_cell(calls, rounds, inner)
+                xs[0] = torch.randn(m, in_f).to(torch.bfloat16)
+                samples = time_cell(layers, rounds, inner)
                 best = {name: min(v) for name, v in samples.items()}
                 med = {name: statistics.median(v) for name, v in samples.items()}
                 out.append({"in": in_f, "out": out_f, "rows": m, "min_ms": best, "median_ms": med,
                             "min_ratio_to_bf16": {k: round(v / best[BASELINE], 3) for k, v in best.items()},
                             "median_ratio_to_bf16": {k: round(v / med[BASELINE], 3) for k, v in med.items()},
-                            "rel_error": max_error(calls, w, x)})
+                            "rel_error": max_error(layers[0], weights[0], xs[0])})
                 print(f"{in_f:>5}x{out_f:<5} rows {m:>3}  " + "  ".join(
-                    f"{k} {best[k]:.3f}ms x{best[k] / best[BASELINE]:.2f}" for k in calls), flush=True)
+                    f"{k} {best[k]:.3f}ms x{best[k] / best[BASELINE]:.2f}" for k in best), flush=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32], help="activation rows (batch of a decode step)")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--inner", type=int, default=5, help="calls per sample")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=2, help="passes over the copies per sample")
+    ap.add_argument("--copies", type=int, default=30, help="weight copies per candidate, cycled (30 = the model's "
+                    "layers: weights come from memory as in a decode step; 1 = cache-hot)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--amx-candidate", action="store_true", help=f"also build and time {AMX_SOURCE.name}")
     ap.add_argument("--out", type=Path, default=Path("quant_kernels.json"))
@@ -154,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     if args.amx_candidate:
         build_amx_candidate()
-    rows = run(args.rows, args.rounds, args.inner, args.amx_candidate)
-    how = {"torch": torch.__version__, "threads": args.threads, "rounds": args.rounds, "inner": args.inner,
+    rows = run(args.rows, args.rounds, args.inner, args.copies, args.amx_candidate)
+    how = {"torch": torch.__version__, "threads": args.threads, "copies": args.copies, "rounds": args.rounds, "inner": args.inner,
            "capability": str(detect_capability(torch.device("cpu"))), "machine": platform.processor() or platform.machine(),
            "statistic": "ms per call (min and median over interleaved rounds), bf16 activations; ratio = / bf16_packed"}
     args.out.write_text(json.dumps({"how": how, "cells": rows}, indent=2))
