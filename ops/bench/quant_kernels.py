@@ -131,11 +131,12 @@ def time_cell(layers: list[dict[str, Callable[[], torch.Tensor]]], rounds: int, 
     return samples
 
 
-def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool) -> list[dict]:
+def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool,
+        shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
     out = []
     xs: list[torch.Tensor] = [torch.empty(0)]
     with torch.inference_mode():
-        for in_f, out_f in SHAPES:
+        for in_f, out_f in shapes:
             weights = [torch.randn(out_f, in_f) * 0.05 for _ in range(copies)]
             layers = [candidates(w, xs, amx) for w in weights]
             for m in rows:
