@@ -1,8 +1,22 @@
-"""Micro-benchmark: bf16 F.linear vs Int8Linear vs Int4Linear, batch 1 and 16.
+"""Micro-benchmark: candidate quantized linear kernels vs the engine's packed bf16 linear, per model shape and row count.
 
-    python -m ops.bench.quant_kernels [--repeats 50] [--threads 1] [--device cpu] [--out quant_kernels.json]
+    python -m ops.bench.quant_kernels --threads 2 [--rows 1 4 16 32] [--rounds 15] [--copies 30] [--amx-candidate] [--out quant_kernels.json]
 
-Prints a table of median milliseconds per call (bf16 activations) and saves it, with how it was run, as JSON.
+Shapes are the default model's (SmolLM2-135M: hidden 576, kv 192, intermediate 1536): o 576x576, fused
+q/k/v 576x960, fused gate/up 576x3072, down 1536x576 (in x out). bf16 activations. Every candidate of a
+(shape, rows) cell runs once per round, rounds interleaved, so load drift hits all alike; each sample is
+the mean call time over `--inner` passes through `--copies` weight copies (30 = the model's layer count, so
+the weights stream from memory as in a decode step instead of staying cache-hot). Reported: the minimum and the median over rounds (ms per call)
+and each candidate's ratio to `bf16_packed` (the engine's full-precision path, engine/layers/packed.py).
+
+Candidates: `bf16_plain` (F.linear); `int4_tinygemm` (the engine's Int4Linear: torch's
+`_weight_int4pack_mm_for_cpu`, group size as the engine picks it) and `int4_tinygemm_g32`;
+`int8_pack_mm` (the engine's Int8Linear, `_weight_int8pack_mm`); `int4_dequant_linear` (INT4 dequantized
+into a reused bf16 scratch by torch ops, then F.linear); `int8_onednn_dynamic` (activations quantized per
+tensor to uint8 on the fly, oneDNN `qlinear_pointwise` on a prepacked int8 weight: AMX-INT8, other
+numerics); with `--amx-candidate`, `int4_amx_fused` (ops/bench/int4_amx_candidate.cpp, compiled here with
+g++: int4pack blocks dequantized to bf16 in cache, AMX brgemm) and `int4_amx_codes` (the same with the
+integer codes through AMX per group and the scales applied to the fp32 result).
 """
 from __future__ import annotations
 
@@ -10,67 +24,155 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from engine.capability import detect_capability
 from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from engine.quant.int4_record import unpack_nibbles
 
-SHAPES = [(576, 1536), (1536, 576), (2048, 2048)]  # (in_features, out_features)
-BATCHES = [1, 16]
-
-
-def median_ms(fn, repeats: int, device: torch.device) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+SHAPES = [(576, 576), (576, 960), (576, 3072), (1536, 576)]  # (in_features, out_features)
+BASELINE = "bf16_packed"
+AMX_SOURCE = Path(__file__).with_name("int4_amx_candidate.cpp")
 
 
-def run(repeats: int, device: torch.device) -> list[dict]:
-    rows = []
-    for in_f, out_f in SHAPES:
-        w = (torch.randn(out_f, in_f) * 0.05).to(device)
-        dense = w.to(torch.bfloat16)
-        i8, i4 = Int8Linear(quantize_int8(w)), Int4Linear(quantize_int4(w, 128))
-        for batch in BATCHES:
-            x = torch.randn(batch, in_f, device=device, dtype=torch.bfloat16)
-            with torch.inference_mode():
-                rows.append({"in": in_f, "out": out_f, "batch": batch,
-                             "bf16_ms": median_ms(lambda: F.linear(x, dense), repeats, device),
-                             "int8_ms": median_ms(lambda: i8(x), repeats, device),
-                             "int4_ms": median_ms(lambda: i4(x), repeats, device),
-                             "int4_backend": i4.backend, "int4_group": i4.group_size})
-    return rows
+def build_amx_candidate() -> None:
+    """Compile and load the fused INT4 AMX candidate (torch op morphserve_bench::int4_amx_mm)."""
+    from torch.utils import cpp_extension
+    out = Path(tempfile.mkdtemp(prefix="int4_amx_")) / "int4_amx_candidate.so"
+    libs = cpp_extension.library_paths()
+    cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()], str(AMX_SOURCE), "-o", str(out),
+           *[f"-L{d}" for d in libs], *[f"-Wl,-rpath,{d}" for d in libs], "-lc10", "-ltorch_cpu", "-ltorch"]
+    subprocess.run(cmd, check=True)
+    torch.ops.load_library(str(out))
+
+
+def _dynamic_uint8(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    with warnings.catch_warnings():  # quantized tensor types are deprecated; the oneDNN op itself is not
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_tensor_dynamic(x.float(), torch.quint8, False)
+    return q.int_repr(), q.q_scale(), q.q_zero_point()
+
+
+def candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> a call computing xs[0] @ w.T in that form (weights built once, outside the timing; the caller
+    sets xs[0], the activations, before timing)."""
+    n, k = w.shape
+    wb = w.to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, 32)
+    i4, i4_32, i8 = Int4Linear(quantize_int4(w, 128)), Int4Linear(quantize_int4(w, 32)), Int8Linear(quantize_int8(w))
+    rec = quantize_int4(w, 128)
+    g, codes = rec.group_size, unpack_nibbles(rec.qweight).view(n, k // rec.group_size, rec.group_size)
+    scales, zeros = rec.scales.to(torch.bfloat16)[..., None], rec.zeros.to(torch.bfloat16)[..., None]
+    scratch = torch.empty(n, k // g, g, dtype=torch.bfloat16)
+
+    def dequant_linear() -> torch.Tensor:
+        torch.sub(codes, zeros, out=scratch).mul_(scales)
+        return F.linear(xs[0], scratch.view(n, k))
+
+    q8 = quantize_int8(w)
+    qw = torch.ops.onednn.qlinear_prepack(q8.qweight, None)
+    w_zp = torch.zeros(n, dtype=torch.long)
+
+    def onednn_dynamic() -> torch.Tensor:
+        qx, s, zp = _dynamic_uint8(xs[0])
+        return torch.ops.onednn.qlinear_pointwise(qx, s, zp, qw, q8.scales, w_zp, None, 1.0, 0, torch.bfloat16,
+                                                  "none", [], "")
+
+    calls = {
+        BASELINE: lambda: torch.ops.mkldnn._linear_pointwise(xs[0], packed, None, "none", [], ""),
+        "bf16_plain": lambda: F.linear(xs[0], wb),
+        "int4_tinygemm": lambda: i4(xs[0]),
+        "int4_tinygemm_g32": lambda: i4_32(xs[0]),
+        "int8_pack_mm": lambda: i8(xs[0]),
+        "int4_dequant_linear": dequant_linear,
+        "int8_onednn_dynamic": onednn_dynamic,
+    }
+    if amx:
+        calls["int4_amx_fused"] = lambda: torch.ops.morphserve_bench.int4_amx_mm(xs[0], i4.packed, i4.group_size,
+                                                                                  i4.scales_and_zeros)
+        calls["int4_amx_codes"] = lambda: torch.ops.morphserve_bench.int4_amx_codes_mm(xs[0], i4.packed, i4.group_size,
+                                                                                        i4.scales_and_zeros)
+    return calls
+
+
+def max_error(calls: dict[str, Callable[[], torch.Tensor]], w: torch.Tensor, x: torch.Tensor) -> dict[str, float]:
+    """Each candidate's max |y - x @ w.T| relative to max |x @ w.T| (fp32 reference with the unquantized w)."""
+    ref = x.float() @ w.t()
+    scale = ref.abs().max().item()
+    return {name: round((f().float() - ref).abs().max().item() / scale, 5) for name, f in calls.items()}
+
+
+def time_cell(layers: list[dict[str, Callable[[], torch.Tensor]]], rounds: int, inner: int) -> dict[str, list[float]]:
+    """Per candidate, samples of ms per call; one sample = `inner` passes over all layers' copies (with one
+    copy the weights stay cache-hot; with as many as the model has layers they stream from memory)."""
+    names = list(layers[0])
+    for name in names:
+        for calls in layers:
+            calls[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            fs = [calls[name] for calls in layers]
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                for f in fs:
+                    f()
+            samples[name].append((time.perf_counter() - t0) / (inner * len(fs)) * 1e3)
+    return samples
+
+
+def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool,
+        shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
+    out = []
+    xs: list[torch.Tensor] = [torch.empty(0)]
+    with torch.inference_mode():
+        for in_f, out_f in shapes:
+            weights = [torch.randn(out_f, in_f) * 0.05 for _ in range(copies)]
+            layers = [candidates(w, xs, amx) for w in weights]
+            for m in rows:
+                xs[0] = torch.randn(m, in_f).to(torch.bfloat16)
+                samples = time_cell(layers, rounds, inner)
+                best = {name: min(v) for name, v in samples.items()}
+                med = {name: statistics.median(v) for name, v in samples.items()}
+                out.append({"in": in_f, "out": out_f, "rows": m, "min_ms": best, "median_ms": med,
+                            "min_ratio_to_bf16": {k: round(v / best[BASELINE], 3) for k, v in best.items()},
+                            "median_ratio_to_bf16": {k: round(v / med[BASELINE], 3) for k, v in med.items()},
+                            "rel_error": max_error(layers[0], weights[0], xs[0])})
+                print(f"{in_f:>5}x{out_f:<5} rows {m:>3}  " + "  ".join(
+                    f"{k} {best[k]:.3f}ms x{best[k] / best[BASELINE]:.2f}" for k in best), flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32], help="activation rows (batch of a decode step)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=2, help="passes over the copies per sample")
+    ap.add_argument("--copies", type=int, default=30, help="weight copies per candidate, cycled (30 = the model's "
+                    "layers: weights come from memory as in a decode step; 1 = cache-hot)")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--amx-candidate", action="store_true", help=f"also build and time {AMX_SOURCE.name}")
     ap.add_argument("--out", type=Path, default=Path("quant_kernels.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rows = run(args.repeats, torch.device(args.device))
-    print(f"{'in x out':>11} {'batch':>5} {'bf16 ms':>8} {'int8 ms':>8} {'int4 ms':>8}  int4 backend/group")
-    for r in rows:
-        print(f"{r['in']:>5}x{r['out']:<5} {r['batch']:>5} {r['bf16_ms']:>8.3f} {r['int8_ms']:>8.3f} "
-              f"{r['int4_ms']:>8.3f}  {r['int4_backend']}/{r['int4_group']}")
-    how = {"torch": torch.__version__, "device": args.device, "threads": args.threads, "repeats": args.repeats,
-           "machine": platform.processor() or platform.machine(), "statistic": "median ms per call, bf16 input"}
-    args.out.write_text(json.dumps({"how": how, "rows": rows}, indent=2))
+    if args.amx_candidate:
+        build_amx_candidate()
+    rows = run(args.rows, args.rounds, args.inner, args.copies, args.amx_candidate)
+    how = {"torch": torch.__version__, "threads": args.threads, "copies": args.copies, "rounds": args.rounds, "inner": args.inner,
+           "capability": str(detect_capability(torch.device("cpu"))), "machine": platform.processor() or platform.machine(),
+           "statistic": "ms per call (min and median over interleaved rounds), bf16 activations; ratio = / bf16_packed"}
+    args.out.write_text(json.dumps({"how": how, "cells": rows}, indent=2))
     print(f"saved {args.out}")
 
 
