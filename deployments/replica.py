@@ -53,13 +53,19 @@ def demand_summary(s) -> dict[str, Any]:
             "admission_restores_total": s.admission_restores_total, "admission_capped_total": s.admission_capped_total}
 
 
-def resident_bytes() -> int | None:
-    """This process's resident set size (Linux /proc), for the admin status and the soak."""
+def resident_set() -> dict[str, int | None]:
+    """This process's resident set (Linux /proc/self/statm), for the admin status and the soak: the
+    total, and its anonymous part (heap, tensors). The rest is file-backed: pages of mapped files such
+    as the host store's layers (engine/morph/mapped_file.py), which the kernel may drop at any time and
+    which cannot grow beyond the files' size, so a leak shows in the anonymous part."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            fields = f.read().split()
+        page = os.sysconf("SC_PAGE_SIZE")
+        resident, shared = int(fields[1]) * page, int(fields[2]) * page
+        return {"rss_bytes": resident, "rss_anon_bytes": resident - shared}
     except (OSError, ValueError, IndexError):
-        return None
+        return {"rss_bytes": None, "rss_anon_bytes": None}
 
 
 def _replica_id() -> str:
@@ -170,7 +176,7 @@ class LLMServer:
             "admission": admission,
             "load_seconds": round(self.load_seconds, 3),
             "queue": {"live_requests": self.engine.num_live, "capacity": self.engine.capacity},
-            "process": {"pid": os.getpid(), "rss_bytes": resident_bytes()},
+            "process": {"pid": os.getpid(), **resident_set()},
             **self.morph_loop.status(),
         }
 

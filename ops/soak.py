@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.soak_record import (Sample, classify_requests, count_morph_cycles, integrity_totals,
-                             memory_by_replica, verdict)
+                             memory_by_replica, rss_series, verdict)
 from ops.local_ray import http, init_local_ray
 from ops.soak_traffic import Traffic
 
@@ -33,7 +33,7 @@ APP_ARGS = {
     "admin_token": ADMIN, "memory_budget": "300MiB", "mode": "performance", "report_interval_s": 0.1,
     "controller_timeout_s": 0.3, "max_layers_per_step": 4, "max_waiting": 8, "max_queued_requests": 16,
     "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
-    "engine": {"max_model_len": 512, "max_num_seqs": 4, "max_num_batched_tokens": 128}, **CONTROLLER,
+    "engine": {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}, **CONTROLLER,
 }
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 ROOT = Path(__file__).resolve().parent
@@ -48,6 +48,7 @@ class SoakConfig:
     min_cycles_per_30_min: int = 20
     rss_tolerance: float = 0.05
     max_tokens: int = 24
+    prompt_words: int = 80  # ~250 prompt tokens with the chat template: 8 such requests need more KV than 300 MiB leaves
 
     @property
     def min_cycles(self) -> int:  # the 30-minute target, scaled to the run
@@ -74,7 +75,7 @@ class Observer:
                 self.samples.append(Sample(time.monotonic(), s["process"]["pid"], s["process"]["rss_bytes"],
                                            s["morph_state"]["num_quantized"], s["integrity"]["checks"],
                                            s["integrity"]["failures"], s["controller"]["reachable"],
-                                           self.idle_now.is_set()))
+                                           self.idle_now.is_set(), s["process"].get("rss_anon_bytes")))
 
     def stop(self) -> list[Sample]:
         self._stop.set()
@@ -174,7 +175,7 @@ def local_app(args: dict):
 
 def soak(config: SoakConfig) -> dict[str, Any]:
     with local_app(APP_ARGS) as (ray, url):
-        traffic = Traffic(url, config.workers, config.max_tokens)
+        traffic = Traffic(url, config.workers, config.max_tokens, config.prompt_words)
         observer = Observer(url)
         events: list[dict] = []
         started = time.monotonic()
@@ -192,6 +193,7 @@ def soak(config: SoakConfig) -> dict[str, Any]:
             "requests": requests, "morph_cycles": cycles, "min_cycles": config.min_cycles,
             "cycle_drivers": {d: sum(1 for e in events if e.get("cycle_driver") == d) for d in ("policy", "pin")},
             "integrity": integrity, "memory": memory, "events": events,
+            "rss_series": rss_series(samples, every_s=10.0),
             "verdict": verdict(requests, cycles, config.min_cycles, integrity, memory),
             "app_args": {k: v for k, v in APP_ARGS.items() if k != "admin_token"}}
 
@@ -200,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, required=True)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--prompt-words", type=int, default=SoakConfig.prompt_words,
+                        help="length of the preamble every request carries (KV pressure per request)")
     parser.add_argument("--out", type=Path, default=ROOT / "soak_results")
     opts = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # several processes share few cores
-    report = soak(SoakConfig(minutes=opts.minutes, workers=opts.workers))
+    report = soak(SoakConfig(minutes=opts.minutes, workers=opts.workers, prompt_words=opts.prompt_words))
     opts.out.mkdir(parents=True, exist_ok=True)
     path = opts.out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2))

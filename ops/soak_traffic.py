@@ -11,8 +11,11 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 class Traffic:
-    def __init__(self, url: str, workers: int, max_tokens: int, timeout_s: float = 300.0):
+    def __init__(self, url: str, workers: int, max_tokens: int, prompt_words: int = 0, timeout_s: float = 300.0):
         self.url, self.max_tokens, self.timeout_s = url, max_tokens, timeout_s
+        # A long shared preamble makes each request need several KV blocks, so a burst presses on
+        # memory (what morphing relieves) and not only on compute.
+        self.preamble = " ".join(f"word{i % 97}" for i in range(prompt_words))
         self.records: list[RequestRecord] = []
         self.replica_kills: list[float] = []
         self._active, self._stop = threading.Event(), threading.Event()
@@ -32,7 +35,7 @@ class Traffic:
             if not self._active.wait(0.5):
                 continue
             body = {"model": MODEL, "max_tokens": self.max_tokens, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": f"Tell me a story about the number {worker * 100000 + i}."}]}
+                    "messages": [{"role": "user", "content": f"{self.preamble} Tell me a story about the number {worker * 100000 + i}."}]}
             start = time.monotonic()
             status, _ = http("POST", self.url + "/v1/chat/completions", body, timeout_s=self.timeout_s)
             self.records.append(RequestRecord(start, time.monotonic(), status))

@@ -1,10 +1,10 @@
 """The soak's accounting (ops/soak_record.py): which failures are allowed, cycles, memory, integrity."""
 from ops.soak_record import (RequestRecord, Sample, classify_requests, count_morph_cycles, integrity_totals,
-                             memory_by_replica, verdict)
+                             memory_by_replica, rss_series, verdict)
 
 
-def sample(t, pid=1, rss=100, q=0, checks=0, failures=0, idle=False):
-    return Sample(t, pid, rss, q, checks, failures, True, idle)
+def sample(t, pid=1, rss=100, q=0, checks=0, failures=0, idle=False, anon=None):
+    return Sample(t, pid, rss, q, checks, failures, True, idle, anon)
 
 
 def test_only_requests_in_flight_at_the_replica_kill_may_fail():
@@ -29,6 +29,25 @@ def test_memory_compares_each_replicas_last_idle_sample_with_its_first():
     assert second["growth_after_first_idle"] == (170 - 150) / 150
     shrunk, = memory_by_replica([sample(0, rss=200, idle=True), sample(1, rss=150, idle=True)], tolerance=0.05)
     assert shrunk["within_tolerance"]  # ending below the first plateau is no growth
+
+
+def test_growth_that_is_all_mapped_file_pages_is_not_a_leak_but_anonymous_growth_is():
+    file_pages = [sample(0, rss=200, anon=150, idle=True), sample(1, rss=230, anon=152, idle=True)]
+    row, = memory_by_replica(file_pages, tolerance=0.05)
+    assert not row["within_tolerance"] and row["anon_within_tolerance"] and row["growth_is_mapped_file_pages"]
+    leak = [sample(0, rss=200, anon=150, idle=True), sample(1, rss=230, anon=180, idle=True)]
+    row, = memory_by_replica(leak, tolerance=0.05)
+    assert not row["anon_within_tolerance"] and not row["growth_is_mapped_file_pages"]
+    requests = classify_requests([RequestRecord(0, 1, 200)], [])
+    integrity = {"checks": 1, "failures": 0}
+    assert verdict(requests, 3, 2, integrity, memory_by_replica(file_pages, 0.05))["rss_end_within_tolerance"]
+    assert not verdict(requests, 3, 2, integrity, memory_by_replica(leak, 0.05))["rss_end_within_tolerance"]
+
+
+def test_rss_series_keeps_one_sample_per_interval():
+    series = rss_series([sample(t / 2, rss=100 + t, anon=50) for t in range(50)], every_s=10.0)
+    assert [row[0] for row in series] == [0.0, 10.0, 20.0]
+    assert series[1] == [10.0, 1, 120, 50]
 
 
 def test_integrity_sums_the_last_counts_of_every_replica_and_the_verdict_needs_all():
