@@ -30,6 +30,7 @@ from engine.morph.executor import MorphExecutor
 from engine.morph.kv_resizer import KVResizer
 from engine.morph.setup import prepare_morphing
 from engine.precision import Precision, full_precision_for
+from engine.quant.int4_kernel import set_amx_min_rows
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -61,6 +62,7 @@ class EngineParts:
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    set_amx_min_rows(config.int4_amx_min_rows)  # process-wide, like the thread count (quant/int4_kernel.py)
     loaded = load_model(config.model, config.torch_dtype, config.device, config.cache_path)
     mc, model = loaded.config, loaded.model
     max_model_len = _max_model_len(config, mc)

@@ -1,15 +1,17 @@
 """ops/bench/quant_kernels: every candidate computes the same linear (within its quantization error) and the
-report has what the publication needs; the AMX candidate is built and checked where the CPU has AMX."""
+report has what the publication needs; the engine's INT4 AMX op (built once by `make kernels`) is a candidate
+where the library is built and the CPU has AMX-BF16 (else skipped, saying why; tests/test_int4_amx.py
+tests the op itself)."""
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
+from engine.kernels import int4_amx_reason
 from ops.bench import quant_kernels as qk
 
 SMALL = [(128, 192)]  # in x out: 2 groups of 64, 3 column blocks of 64
+needs_amx = pytest.mark.skipif(int4_amx_reason() is not None, reason=f"INT4 AMX op: {int4_amx_reason()}")
 
 
 def _check_cells(cells: list[dict], names: set[str]) -> None:
@@ -31,17 +33,9 @@ def test_candidates_agree_and_report_ratios():
                          "int4_dequant_linear", "int8_onednn_dynamic"})
 
 
-@pytest.mark.skipif(shutil.which("g++") is None or not torch.cpu._is_amx_tile_supported(),
-                    reason="the AMX candidate needs g++ and a CPU with AMX")
-def test_amx_candidate_matches_the_int4_kernel():
-    qk.build_amx_candidate()
+@needs_amx
+def test_amx_candidate_is_timed_and_agrees():
     torch.manual_seed(0)
-    w = torch.randn(192, 128) * 0.05
-    i4 = qk.Int4Linear(qk.quantize_int4(w, 64))
-    for m in (1, 3, 17, 130):  # 130 > one 128-row brgemm chunk
-        x = torch.randn(m, 128).to(torch.bfloat16)
-        ref = i4(x).float()
-        for op in (torch.ops.morphserve_bench.int4_amx_mm, torch.ops.morphserve_bench.int4_amx_codes_mm):
-            y = op(x, i4.packed, i4.group_size, i4.scales_and_zeros).float()
-            assert y.shape == (m, 192)
-            assert (y - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    cells = qk.run([3], rounds=1, inner=1, copies=1, amx=True, shapes=SMALL)
+    _check_cells(cells, {qk.BASELINE, "bf16_plain", "int4_tinygemm", "int4_tinygemm_g32", "int8_pack_mm",
+                         "int4_dequant_linear", "int8_onednn_dynamic", "int4_amx"})

@@ -1,7 +1,9 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` is the op, or None when the library is not built or is older than its source
-(the callers then use their torch-only path, and `available_reason()` says why)."""
+`paged_attention_op()` / `int4_amx_op()` are the ops, or None when the library is not built or is older
+than its sources (the callers then use their torch-only path, and `available_reason()` says why). The
+INT4 AMX op also needs a CPU with AMX-BF16 at run time and a library compiled for it (int4_amx.cpp is
+empty where the compiler does not target AVX512-BF16 + AMX); `int4_amx_reason()` says why not."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +12,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp",)
+SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp")
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}
@@ -42,3 +44,26 @@ def available_reason() -> str | None:
     """None when the kernels are loaded, else why not."""
     _load()
     return _state["reason"]  # type: ignore[return-value]
+
+
+def int4_amx_reason() -> str | None:
+    """None when `torch.ops.morphserve.int4_amx_mm` can run here, else why not (logged once)."""
+    if "int4_amx" not in _state:
+        from engine.capability import detect_capability  # /proc/cpuinfo flags, cached
+        _load()
+        flags = detect_capability(torch.device("cpu")).cpu_flags
+        if _state["reason"]:
+            _state["int4_amx"] = _state["reason"]
+        elif "amx_bf16" not in flags or not torch.cpu._is_amx_tile_supported():
+            _state["int4_amx"] = "this CPU has no AMX-BF16 (or the kernel has not enabled AMX tiles)"
+        elif not hasattr(torch.ops.morphserve, "int4_amx_mm"):
+            _state["int4_amx"] = f"{LIBRARY.name} was compiled without AVX512-BF16 + AMX-BF16"
+        else:
+            _state["int4_amx"] = None
+        if _state["int4_amx"]:
+            logger.info("INT4 AMX kernel unavailable (%s); INT4 layers use torch's int4pack kernel", _state["int4_amx"])
+    return _state["int4_amx"]  # type: ignore[return-value]
+
+
+def int4_amx_op():
+    return None if int4_amx_reason() else torch.ops.morphserve.int4_amx_mm

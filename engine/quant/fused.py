@@ -27,16 +27,17 @@ class FusedQuantized:
     """One kernel call computing several quantized linears side by side (outputs concatenated)."""
 
     def __init__(self, kind: str, weight: Tensor, scales: Tensor, bias: Tensor | None, in_features: int,
-                 out_features: int, group_size: int = 0):
+                 out_features: int, group_size: int = 0, amx: bool = False):
         self.kind, self.weight, self.scales, self.bias = kind, weight, scales, bias
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.amx = amx  # INT4: the AMX op may read the fused bytes (int4_kernel.amx_eligible)
 
     def __call__(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         if self.kind == "int8":  # scales stay fp32 (the members' own storage); n values cast per call
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales.to(KERNEL_DTYPE))
         else:
-            y = kernel_mm(x2, self.weight, self.group_size, self.scales)
+            y = kernel_mm(x2, self.weight, self.group_size, self.scales, self.amx)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
@@ -76,7 +77,8 @@ def fuse_quantized(linears: Sequence[nn.Module]) -> FusedQuantized | None:
             or l.out_features % _INT4_ROW_BLOCK for l in linears)):
         return None
     fused = FusedQuantized("int4", _cat([l.packed for l in linears], 0),
-                           _cat([l.scales_and_zeros for l in linears], 1), bias, k, n, linears[0].group_size)
+                           _cat([l.scales_and_zeros for l in linears], 1), bias, k, n, linears[0].group_size,
+                           all(l.amx for l in linears))
     _repoint(linears, fused, "packed")
     return fused
 

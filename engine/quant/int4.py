@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
 from engine.precision import Precision
-from engine.quant.int4_kernel import (KERNEL_GROUP_SIZES, PackedInt4Weight, kernel_codes, kernel_layout, kernel_mm,
-                                      layout_backend, pack_int4)
+from engine.quant.int4_kernel import (KERNEL_GROUP_SIZES, PackedInt4Weight, amx_eligible, kernel_codes, kernel_layout,
+                                      kernel_mm, layout_backend, pack_int4)
 from engine.quant.int4_record import Int4Weight, pack_nibbles, unpack_nibbles
 from engine.quant.int8 import KERNEL_DTYPE
 
@@ -100,6 +100,7 @@ class Int4Linear(nn.Module):
                              f"{device} as {expected!r}; build it from the canonical Int4Weight instead")
         self.layout = packed.layout  # the key of the packed bytes' layout (int4_kernel.kernel_layout)
         self.backend = layout_backend(packed.layout)
+        self.amx = self.backend == "cpu" and amx_eligible(packed.layout, n, k, g)  # AMX op from amx_min_rows rows
         self.register_buffer("packed", packed.packed)
         self.register_buffer("scales_and_zeros", packed.scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -130,7 +131,7 @@ class Int4Linear(nn.Module):
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
             # no-op unless someone cast the module, or it is a column slice of a fused group (quant/fused.py)
             sz = self.scales_and_zeros.to(KERNEL_DTYPE).contiguous()
-            y = kernel_mm(x2, self.packed, self.group_size, sz)
+            y = kernel_mm(x2, self.packed, self.group_size, sz, self.amx)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

@@ -13,6 +13,15 @@ very same bytes, so every layout has a key:
 
 The probe hash fingerprints the CPU packing itself (a fixed code matrix packed in this process), so
 a build whose packing differs gets another key even if version and ISA agree.
+
+Which matmul reads the CPU layout (`kernel_mm(..., amx=True)` for eligible weights, see `amx_eligible`):
+torch's `_weight_int4pack_mm_for_cpu` below `amx_min_rows` rows, the engine's AMX op
+(engine/kernels/int4_amx.cpp, same bytes) from there up. torch's kernel has no AMX path, and from a few
+rows up it is slower than the packed bf16 linear; the AMX op dequantizes each call's weight once, which
+costs more than torch's kernel at 1-4 rows. Both are row-invariant (a row's output does not depend on
+the other rows), but they round differently (last bf16 bit), so a request's INT4 outputs can differ
+with the number of rows in the step when it crosses the threshold (as the packed bf16 linear's already
+do: oneDNN picks its kernel by row count). `int4_amx_min_rows=1` gives INT4 layers exact batch invariance.
 """
 from __future__ import annotations
 
@@ -28,6 +37,18 @@ from engine.quant.int8 import KERNEL_DTYPE, kernel_works
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 DEQUANT_LAYOUT = "dequant"
+_AMX_BLOCK_N = 64  # the AVX512 int4pack layout's column block, which the AMX op reads
+# Rows from which eligible CPU INT4 matmuls use the AMX op; None = never. Process-wide like torch's thread
+# count: the engine sets it from EngineConfig.int4_amx_min_rows when it builds (engine_builder.py).
+_dispatch: dict[str, int | None] = {"amx_min_rows": None}
+
+
+def set_amx_min_rows(rows: int | None) -> None:
+    _dispatch["amx_min_rows"] = rows
+
+
+def amx_min_rows() -> int | None:
+    return _dispatch["amx_min_rows"]
 
 
 @functools.cache
@@ -64,8 +85,20 @@ def _pack_codes(codes: Tensor, backend: str) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack((c[:, 0::2] << 4) | c[:, 1::2], _cuda_inner_tiles(codes.shape[1]))
 
 
-def kernel_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+def amx_eligible(layout: str, n: int, k: int, group_size: int) -> bool:
+    """Whether the AMX op can read this weight: this process's AVX512 CPU layout (64-column blocks),
+    shapes it handles, and the op built and usable here (engine.kernels.int4_amx_reason says why not)."""
+    from engine.kernels import int4_amx_op  # lazy: loading the library is not needed to pack
+    return (layout == cpu_layout() and layout.split(":")[2] == "AVX512" and n % _AMX_BLOCK_N == 0
+            and k % 2 == 0 and group_size % 2 == 0 and int4_amx_op() is not None)
+
+
+def kernel_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor, amx: bool = False) -> Tensor:
+    """x [rows, in] bf16 -> [rows, out]. `amx`: the weight is `amx_eligible` (the caller knows its layout)."""
     if packed.device.type == "cpu":
+        threshold = _dispatch["amx_min_rows"]
+        if amx and threshold is not None and x.shape[0] >= threshold:
+            return torch.ops.morphserve.int4_amx_mm(x, packed, group_size, scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
     return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
 

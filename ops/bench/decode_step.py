@@ -6,6 +6,8 @@ holds). Layers are switched to INT4 in the LIS swap order (the committed profile
 without one), RTN INT4 (the same packed kernel as AWQ, so the same speed). On a shared machine the
 configurations are interleaved round by round, so load drift hits them alike; each round times
 `--steps` consecutive steps, and the reported figure is the median over rounds of the mean step time.
+`--int4-amx-min-rows never 8` interleaves INT4 kernel dispatch settings (EngineConfig.int4_amx_min_rows:
+torch's int4pack kernel only vs the AMX op from 8 rows up) in the same rounds.
 
     python -m ops.bench.decode_step --model default --out decode_step.json
 """
@@ -29,6 +31,9 @@ from engine.loader import load_model
 from engine.morph.profiler import LayerSwitch
 from engine.quant.awq import LayerWeights
 from engine.capability import detect_capability
+from engine.config import EngineConfig
+from engine.kernels import int4_amx_reason
+from engine.quant.int4_kernel import set_amx_min_rows
 from engine.precision import Precision, resolve_dtype
 from engine.quant.awq import quantize_layer_rtn
 
@@ -69,27 +74,32 @@ def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int, clock=tim
 
 def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts: Sequence[int],
           batches: Sequence[int], context: int, rounds: int, steps: int,
-          clock=time.perf_counter, attention: Sequence[str] = ("auto",)) -> dict[str, dict[str, float]]:
+          clock=time.perf_counter, attention: Sequence[str] = ("auto",),
+          amx_min_rows: Sequence[int | None] = (None,)) -> dict[str, dict[str, float]]:
     """{"batch=<b>": {"int4=<n>": median seconds per step}} over interleaved rounds (one warm-up round);
-    with several attention routes the keys are "int4=<n> attention=<route>", the routes interleaved too."""
+    with several attention routes the keys are "int4=<n> attention=<route>", with several INT4 dispatch
+    thresholds "... amx=<rows|never>", all interleaved."""
     runners = {(b, a): (make_runner(model, b, context, a), decode_batch(b, context, model.config.vocab_size))
                for b in batches for a in attention}
-    samples: dict[tuple[int, str, int], list[float]] = {(b, a, n): [] for b, a in runners for n in counts}
+    samples: dict[tuple, list[float]] = {(b, a, n, m): [] for b, a in runners for n in counts for m in amx_min_rows}
     for r in range(rounds + 1):
         for n in counts:
             for i in order[:n]:
                 switch.quantize(i)
             try:
-                for (b, a), (runner, step) in runners.items():
-                    t = time_steps(runner, step, steps, clock)
-                    if r > 0:  # round 0 warms caches and the kernels' packing paths
-                        samples[(b, a, n)].append(t)
+                for m in amx_min_rows:
+                    set_amx_min_rows(m)
+                    for (b, a), (runner, step) in runners.items():
+                        t = time_steps(runner, step, steps, clock)
+                        if r > 0:  # round 0 warms caches and the kernels' packing paths
+                            samples[(b, a, n, m)].append(t)
             finally:
                 for i in order[:n]:
                     switch.restore(i)
     suffix = (lambda a: f" attention={a}") if len(attention) > 1 else (lambda a: "")
-    return {f"batch={b}": {f"int4={n}{suffix(a)}": statistics.median(samples[(b, a, n)])
-                           for a in attention for n in counts} for b in batches}
+    amx = (lambda m: f" amx={'never' if m is None else m}") if len(amx_min_rows) > 1 else (lambda m: "")
+    return {f"batch={b}": {f"int4={n}{suffix(a)}{amx(m)}": statistics.median(samples[(b, a, n, m)])
+                           for a in attention for n in counts for m in amx_min_rows} for b in batches}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -108,11 +118,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "in_place", "gather"],
                     help="attention route(s); several are interleaved, e.g. --attention in_place gather")
+    ap.add_argument("--int4-amx-min-rows", nargs="+", default=[str(EngineConfig.model_fields["int4_amx_min_rows"].default)],
+                    help="INT4 dispatch threshold(s) (EngineConfig.int4_amx_min_rows; 'never' = torch's kernel only); "
+                         "several are interleaved, e.g. never 8")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall, or cpu (process CPU time: steadier on a loaded machine, with --threads 1)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    amx_rows = [None if v in ("never", "None") else int(v) for v in args.int4_amx_min_rows]
     loaded = load_model(args.model, resolve_dtype(args.dtype, args.device), args.device)
     name, model = loaded.files.name, loaded.model
     num_layers = model.config.num_layers
@@ -121,17 +135,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     order = resolve_swap_order(num_layers, name)
     int4 = {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4) for i in order.order[:max(args.layers)]}
     results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
-                    args.rounds, args.steps, CLOCKS[args.clock], args.attention)
+                    args.rounds, args.steps, CLOCKS[args.clock], args.attention, amx_rows)
     report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
               "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
               "context": args.context, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
               "swap_order": order.source, "attention": args.attention, "int4": "rtn, group 128 (64 where needed)",
+              "int4_amx_min_rows": args.int4_amx_min_rows, "int4_amx": int4_amx_reason() or "available",
               "median_seconds_per_step": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     columns = list(next(iter(results.values())))
     print(f"{'':<10}" + "".join(f"{c:>{max(14, len(c) + 2)}}" for c in columns))
     for key, row in results.items():
         print(f"{key:<10}" + "".join(f"{row[c] * 1e3:>{max(14, len(c) + 2) - 3}.2f} ms" for c in columns))
+    if len(amx_rows) > 1:
+        for key, row in results.items():
+            base = row[f"int4={args.layers[0]} amx={args.int4_amx_min_rows[0]}"]  # int4=0: full precision
+            print(key, " ".join(f"int4={n} amx={m}: {row[f'int4={n} amx={m}'] / base:.3f}"
+                                for n in args.layers for m in args.int4_amx_min_rows))
     if len(args.attention) > 1:
         for key, row in results.items():
             for n in args.layers:

@@ -1,6 +1,6 @@
 """Micro-benchmark: candidate quantized linear kernels vs the engine's packed bf16 linear, per model shape and row count.
 
-    python -m ops.bench.quant_kernels --threads 2 [--rows 1 4 16 32] [--rounds 15] [--copies 30] [--amx-candidate] [--out quant_kernels.json]
+    python -m ops.bench.quant_kernels --threads 2 [--rows 1 4 16 32] [--rounds 15] [--copies 30] [--out quant_kernels.json]
 
 Shapes are the default model's (SmolLM2-135M: hidden 576, kv 192, intermediate 1536): o 576x576, fused
 q/k/v 576x960, fused gate/up 576x3072, down 1536x576 (in x out). bf16 activations. Every candidate of a
@@ -14,9 +14,9 @@ Candidates: `bf16_plain` (F.linear); `int4_tinygemm` (the engine's Int4Linear: t
 `int8_pack_mm` (the engine's Int8Linear, `_weight_int8pack_mm`); `int4_dequant_linear` (INT4 dequantized
 into a reused bf16 scratch by torch ops, then F.linear); `int8_onednn_dynamic` (activations quantized per
 tensor to uint8 on the fly, oneDNN `qlinear_pointwise` on a prepacked int8 weight: AMX-INT8, other
-numerics); with `--amx-candidate`, `int4_amx_fused` (ops/bench/int4_amx_candidate.cpp, compiled here with
-g++: int4pack blocks dequantized to bf16 in cache, AMX brgemm) and `int4_amx_codes` (the same with the
-integer codes through AMX per group and the scales applied to the fp32 result).
+numerics); `int4_amx` (the engine's AMX op, engine/kernels/int4_amx.cpp from `make kernels`: int4pack
+blocks dequantized to bf16 in cache, AMX brgemm; timed where the library is built and the CPU has
+AMX-BF16, else left out and the reason printed).
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -35,25 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.capability import detect_capability
+from engine.kernels import int4_amx_op, int4_amx_reason
 from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from engine.quant.int4_kernel import set_amx_min_rows
 from engine.quant.int4_record import unpack_nibbles
 
 SHAPES = [(576, 576), (576, 960), (576, 3072), (1536, 576)]  # (in_features, out_features)
 BASELINE = "bf16_packed"
-AMX_SOURCE = Path(__file__).with_name("int4_amx_candidate.cpp")
-
-
-def build_amx_candidate() -> None:
-    """Compile and load the fused INT4 AMX candidate (torch op morphserve_bench::int4_amx_mm)."""
-    from torch.utils import cpp_extension
-    out = Path(tempfile.mkdtemp(prefix="int4_amx_")) / "int4_amx_candidate.so"
-    libs = cpp_extension.library_paths()
-    cmd = ["g++", "-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-           *[f"-I{p}" for p in cpp_extension.include_paths()], str(AMX_SOURCE), "-o", str(out),
-           *[f"-L{d}" for d in libs], *[f"-Wl,-rpath,{d}" for d in libs], "-lc10", "-ltorch_cpu", "-ltorch"]
-    subprocess.run(cmd, check=True)
-    torch.ops.load_library(str(out))
 
 
 def _dynamic_uint8(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
@@ -98,10 +84,8 @@ def candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[str, 
         "int8_onednn_dynamic": onednn_dynamic,
     }
     if amx:
-        calls["int4_amx_fused"] = lambda: torch.ops.morphserve_bench.int4_amx_mm(xs[0], i4.packed, i4.group_size,
-                                                                                  i4.scales_and_zeros)
-        calls["int4_amx_codes"] = lambda: torch.ops.morphserve_bench.int4_amx_codes_mm(xs[0], i4.packed, i4.group_size,
-                                                                                        i4.scales_and_zeros)
+        op = int4_amx_op()
+        calls["int4_amx"] = lambda: op(xs[0], i4.packed, i4.group_size, i4.scales_and_zeros)
     return calls
 
 
@@ -134,6 +118,7 @@ def time_cell(layers: list[dict[str, Callable[[], torch.Tensor]]], rounds: int, 
 def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool,
         shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
     out = []
+    set_amx_min_rows(None)  # `int4_tinygemm` is Int4Linear on torch's kernel; the AMX op is its own candidate
     xs: list[torch.Tensor] = [torch.empty(0)]
     with torch.inference_mode():
         for in_f, out_f in shapes:
@@ -161,16 +146,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copies", type=int, default=30, help="weight copies per candidate, cycled (30 = the model's "
                     "layers: weights come from memory as in a decode step; 1 = cache-hot)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    ap.add_argument("--amx-candidate", action="store_true", help=f"also build and time {AMX_SOURCE.name}")
     ap.add_argument("--out", type=Path, default=Path("quant_kernels.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if args.amx_candidate:
-        build_amx_candidate()
-    rows = run(args.rows, args.rounds, args.inner, args.copies, args.amx_candidate)
+    if (why := int4_amx_reason()) is not None:
+        print(f"int4_amx left out: {why}")
+    rows = run(args.rows, args.rounds, args.inner, args.copies, why is None)
     how = {"torch": torch.__version__, "threads": args.threads, "copies": args.copies, "rounds": args.rounds, "inner": args.inner,
-           "capability": str(detect_capability(torch.device("cpu"))), "machine": platform.processor() or platform.machine(),
+           "capability": str(detect_capability(torch.device("cpu"))), "int4_amx": int4_amx_reason() or "timed", "machine": platform.processor() or platform.machine(),
            "statistic": "ms per call (min and median over interleaved rounds), bf16 activations; ratio = / bf16_packed"}
     args.out.write_text(json.dumps({"how": how, "cells": rows}, indent=2))
     print(f"saved {args.out}")

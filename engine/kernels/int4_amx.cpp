@@ -1,6 +1,14 @@
-// Benchmark candidate (ops/bench/quant_kernels.py --amx-candidate), not used by the engine: INT4 x bf16
-// from torch's CPU int4pack bytes (the layout the host store keeps), each 64-column block dequantized
-// into a thread-local bf16 VNNI buffer and multiplied with AMX through ATen's cpublas::brgemm.
+// INT4 x bf16 linear with AMX, reading torch's CPU int4pack bytes (AVX512 layout: 64-column blocks; the
+// bytes the host store keeps and Int4Linear holds, so swaps and the ledger are unchanged). Each 64-column
+// block is dequantized into a per-thread bf16 VNNI buffer (K x 64 x 2 bytes, transient: allocated per call
+// inside the parallel region, like any op's workspace; it is part of the activation reserve, not the
+// weights) and multiplied with AMX through ATen's cpublas::brgemm (oneDNN ukernel), fp32 accumulation.
+// Each output row depends only on its own input row (the same K order whatever the row count).
+// torch's _weight_int4pack_mm_for_cpu has no AMX path; this one pays the dequantization once per call,
+// so it wins from a few rows up (the engine dispatches by EngineConfig.int4_amx_min_rows, quant/int4_kernel.py).
+// Compiled only where the compiler targets AVX512-BF16 + AMX-BF16 (-march=native); elsewhere the op is
+// not registered and the engine keeps torch's kernel.
+#if defined(__AVX512BF16__) && defined(__AMX_BF16__)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -54,6 +62,7 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.is_contiguous(), "scales_and_zeros must be contiguous bf16 [K/G, N, 2]");
   const int64_t M = x.size(0), K = x.size(1), N = sz.size(1);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == N * K / 2 && packed.is_contiguous(), "packed must be int4pack uint8 [N, K/2]");
+  TORCH_CHECK(group_size > 0 && sz.size(0) * group_size == K, "x has ", K, " columns, the weight ", sz.size(0) * group_size);
   TORCH_CHECK(N % kBlockN == 0 && K % 2 == 0 && group_size % 2 == 0 && K % group_size == 0 && sz.size(0) == K / group_size, "unsupported shape");
   auto xc = x.contiguous();
   auto y = at::empty({M, N}, x.options());
@@ -84,71 +93,10 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
 }
 
 
-// Codes only (exact small integers in bf16), VNNI [G/2][64][2], for the G rows from k0; scales applied after the GEMM.
-void codes_group(const uint8_t* blk, int64_t k0, int64_t G, at::BFloat16* out) {
-  static const __m512i lut = _mm512_set_epi16(0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,
-      0x4170,0x4160,0x4150,0x4140,0x4130,0x4120,0x4110,0x4100,0x40E0,0x40C0,0x40A0,0x4080,0x4040,0x4000,0x3F80,0x0000);
-  alignas(64) int16_t i0[32], i1[32];
-  for (int i = 0; i < 16; ++i) { i0[2*i] = i; i0[2*i+1] = 32 + i; i1[2*i] = 16 + i; i1[2*i+1] = 48 + i; }
-  const __m512i idx0 = _mm512_load_si512(i0), idx1 = _mm512_load_si512(i1), mask = _mm512_set1_epi16(0xF);
-  for (int64_t k = k0; k < k0 + G; k += 2) {
-    __m512i a = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 32)));
-    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 32 + 32)));
-    __m512i alo = _mm512_permutexvar_epi16(_mm512_and_si512(a, mask), lut), ahi = _mm512_permutexvar_epi16(_mm512_srli_epi16(a, 4), lut);
-    __m512i blo = _mm512_permutexvar_epi16(_mm512_and_si512(b, mask), lut), bhi = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);
-    at::BFloat16* o = out + ((k - k0) / 2) * 128;
-    _mm512_storeu_si512(o, _mm512_permutex2var_epi16(alo, idx0, blo));        // cols 0-15
-    _mm512_storeu_si512(o + 32, _mm512_permutex2var_epi16(alo, idx1, blo));   // cols 16-31
-    _mm512_storeu_si512(o + 64, _mm512_permutex2var_epi16(ahi, idx0, bhi));   // cols 32-47
-    _mm512_storeu_si512(o + 96, _mm512_permutex2var_epi16(ahi, idx1, bhi));   // cols 48-63
-  }
-}
-
-// Variant: exact integer codes through AMX per group, then y += s * (x . codes) + (zp - 8 s) * sum(x over the group).
-at::Tensor int4_amx_codes_mm(const at::Tensor& x, const at::Tensor& packed, int64_t G, const at::Tensor& sz) {
-  const int64_t M = x.size(0), K = x.size(1), N = sz.size(1), NG = K / G;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kByte && N % kBlockN == 0 && K % G == 0 && G % 2 == 0, "unsupported input");
-  auto xc = x.contiguous();
-  auto xsum = xc.view({M, NG, G}).sum(-1, false, at::kFloat).contiguous();  // [M, NG]
-  auto szf = sz.to(at::kFloat).contiguous();  // [NG, N, 2]
-  auto y = at::empty({M, N}, x.options());
-  const auto* xp = xc.data_ptr<at::BFloat16>(); const auto* pp = packed.data_ptr<uint8_t>();
-  const float* xs = xsum.data_ptr<float>(); const float* sf = szf.data_ptr<float>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N / kBlockN, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> w(G * kBlockN);
-    std::vector<float> acc(M * kBlockN), tot(M * kBlockN);
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const uint8_t* blk = pp + nb * K * 32;
-      std::fill(tot.begin(), tot.end(), 0.f);
-      for (int64_t g = 0; g < NG; ++g) {
-        codes_group(blk, g * G, G, w.data());
-        at::native::cpublas::brgemm(M, kBlockN, G, K, kBlockN, kBlockN, false, xp + g * G, w.data(), acc.data());
-        const float* s2 = sf + (g * N + nb * kBlockN) * 2;
-        for (int64_t m = 0; m < M; ++m) {
-          const float xg = xs[m * NG + g];
-          for (int64_t j = 0; j < kBlockN; ++j) {
-            const float s = s2[2 * j], bias = s2[2 * j + 1] - 8.f * s;
-            tot[m * kBlockN + j] += s * acc[m * kBlockN + j] + bias * xg;
-          }
-        }
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < kBlockN; j += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * N + nb * kBlockN + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tot.data() + m * kBlockN + j)));
-    }
-    at::native::cpublas::brgemm_release();
-  });
-  return y;
-}
-
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(morphserve_bench, m) {
+TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("int4_amx_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
-  m.def("int4_amx_codes_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(morphserve_bench, CPU, m) { m.impl("int4_amx_mm", &int4_amx_mm);
-  m.impl("int4_amx_codes_mm", &int4_amx_codes_mm);
-}
+TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("int4_amx_mm", &int4_amx_mm); }
+#endif  // AVX512-BF16 + AMX-BF16

@@ -1,0 +1,76 @@
+"""The engine's INT4 AMX op (engine/kernels/int4_amx.cpp, built once by `make kernels`): numerics against
+torch's int4pack kernel on the same packed bytes, row invariance, and the row-count dispatch of Int4Linear
+and the fused INT4 call (EngineConfig.int4_amx_min_rows). Skipped, saying why, where the library is not built
+or the CPU has no AMX-BF16 (AVX2-only CPUs, other torch builds)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import int4_amx_op, int4_amx_reason
+from engine.morph.actions import SwapLayer
+from engine.precision import Precision
+from engine.quant import Int4Linear, quantize_int4
+from engine.quant.fused import fuse_quantized
+from engine.quant.int4_kernel import amx_min_rows, set_amx_min_rows
+from tests.morph_helpers import engine_for
+from tests.test_engine import generate, mixed_prompts
+
+pytestmark = pytest.mark.skipif(int4_amx_reason() is not None, reason=f"INT4 AMX op: {int4_amx_reason()}")
+
+
+@pytest.fixture
+def threshold():
+    """Restores the process-wide INT4 dispatch threshold a test changes."""
+    before = amx_min_rows()
+    yield set_amx_min_rows
+    set_amx_min_rows(before)
+
+
+def test_amx_op_matches_the_int4_kernel_and_is_row_invariant(threshold):
+    threshold(None)
+    torch.manual_seed(0)
+    w = torch.randn(192, 128) * 0.05
+    i4 = Int4Linear(quantize_int4(w, 64))
+    assert i4.amx
+    op = int4_amx_op()
+    x = torch.randn(130, 128).to(torch.bfloat16)
+    full = op(x, i4.packed, i4.group_size, i4.scales_and_zeros)
+    for m in (1, 3, 17, 130):  # 130 > one 128-row brgemm chunk
+        ref = i4(x[:m]).float()  # torch's kernel (threshold never)
+        y = op(x[:m], i4.packed, i4.group_size, i4.scales_and_zeros)
+        assert y.shape == (m, 192)
+        assert (y.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+        assert torch.equal(y, full[:m])  # a row's output does not depend on the other rows
+
+
+def test_linears_dispatch_by_rows(threshold):
+    """Below the threshold Int4Linear and the fused q/k/v call are torch's kernel exactly; from it up, the AMX op."""
+    torch.manual_seed(1)
+    members = [Int4Linear(quantize_int4(torch.randn(n, 128) * 0.05, 64)) for n in (128, 64, 64)]
+    x = torch.randn(17, 128).to(torch.bfloat16)
+    threshold(None)
+    old = [lin(x) for lin in members]
+    fused = fuse_quantized(members)
+    assert fused is not None and fused.amx
+    op = int4_amx_op()
+    new = [op(x, lin.packed, lin.group_size, lin.scales_and_zeros.contiguous()) for lin in members]
+    threshold(4)
+    for m in (1, 3):  # below: torch's kernel, bit-identical
+        assert torch.equal(fused(x[:m]), torch.cat([o[:m] for o in old], dim=1))
+        assert all(torch.equal(lin(x[:m]), o[:m]) for lin, o in zip(members, old))
+    for m in (4, 17):  # from the threshold up: the AMX op, bit-identical to calling it directly
+        assert torch.equal(fused(x[:m]), torch.cat([o[:m] for o in new], dim=1))
+        assert all(torch.equal(lin(x[:m]), o[:m]) for lin, o in zip(members, new))
+
+
+def test_int4_layers_are_batch_invariant_with_amx_from_one_row(tiny_model_dir, tmp_path, threshold):
+    """int4_amx_min_rows=1: every INT4 matmul is the row-invariant AMX op, so alone == batched exactly."""
+    engine = engine_for(tiny_model_dir, tmp_path, int4_amx_min_rows=1)
+    assert amx_min_rows() == 1
+    for i in range(engine.model.config.num_layers):
+        assert engine.apply(SwapLayer(i, Precision.INT4)).status == "done"
+    assert engine.model.layers[0].down_proj.amx  # 128 -> 64: one AMX column block
+    prompts = mixed_prompts(n=8, seed=5)
+    alone = {rid: generate(engine, {rid: p})[rid] for rid, p in prompts.items()}
+    assert generate(engine, prompts) == alone
