@@ -17,11 +17,12 @@ replica that looked emptiest a moment ago (limit: each ingress replica's router 
 sends; the next stats, every `request_routing_stats_period_s`, include everyone's). Then:
 
     fits: nothing waiting there and headroom >= the request's blocks; unmorphed: no layer quantized
-    rank 1..: replicas that fit and are unmorphed, grouped by how many more requests of this size
-            their headroom holds (headroom // blocks), most first: the request goes where it is least
-            likely to push the replica into morphing; within a group Serve takes the shortest queue
-    then:   replicas that fit but hold quantized layers, grouped the same way: sending them less lets
-            their KV drain so they restore (and give fleet budget back) sooner
+    comfortable: its headroom after the request still holds `spare_requests` more of its size
+            (it will not need to morph for this one)
+    rank 1: unmorphed replicas that fit comfortably; among them Serve takes the shortest queue
+    rank 2: unmorphed replicas that fit only tightly (the shortest queue again)
+    rank 3, 4: replicas that fit but hold quantized layers, comfortable then tight: sending them
+            less lets their KV drain so they restore (and give fleet budget back) sooner
     then:   the others, one rank each, most headroom first, fewer waiting first on a tie
     stale or missing stats for any candidate, or a call other than `generate`:
             Serve's default, power of two choices (the parent class)
@@ -75,7 +76,8 @@ class ReplicaLoad:
 
 
 def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], prompt_tokens: int, sent_blocks: dict[Hashable, int],
-                  now: float, stale_after_s: float, max_tokens: int | None = None) -> tuple[Decision, list[list[Hashable]]]:
+                  now: float, stale_after_s: float, max_tokens: int | None = None,
+                  spare_requests: int = 1) -> tuple[Decision, list[list[Hashable]]]:
     """Pure: the ranks for one request, or ("stale", []) when any load is missing or older than
     `stale_after_s`. `sent_blocks`: blocks this router sent to each replica after its stats."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
@@ -83,18 +85,19 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], prompt_tokens: int,
     headroom = {rid: load.free_blocks - sent_blocks.get(rid, 0) for rid, load in loads.items()}
     need = {rid: max(1, load.blocks_for(prompt_tokens, max_tokens)) for rid, load in loads.items()}
     fits = [rid for rid, load in loads.items() if load.num_waiting == 0 and headroom[rid] >= need[rid]]
-    groups: dict[tuple[int, int], list[Hashable]] = collections.defaultdict(list)
-    for rid in fits:  # (morphed first-or-last, requests of this size the headroom still holds)
-        groups[(int(loads[rid].num_quantized > 0), -(headroom[rid] // need[rid]))].append(rid)
+    groups: dict[tuple[bool, bool], list[Hashable]] = collections.defaultdict(list)
+    for rid in fits:  # (morphed, tight): False sorts first
+        tight = headroom[rid] - need[rid] < spare_requests * need[rid]
+        groups[(loads[rid].num_quantized > 0, tight)].append(rid)
     rest = sorted((rid for rid in loads if rid not in fits), key=lambda rid: (-headroom[rid], loads[rid].num_waiting))
     ranks = [groups[key] for key in sorted(groups)] + [[rid] for rid in rest]
     return ("admits" if fits else "kv_full"), ranks
 
 
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
-    def initialize_state(self, stale_after_s: float = 2.0, **kwargs: Any) -> None:
+    def initialize_state(self, stale_after_s: float = 2.0, spare_requests: int = 1, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
-        self.stale_after_s = stale_after_s
+        self.stale_after_s, self.spare_requests = stale_after_s, spare_requests
         self._sent: dict[Any, collections.deque[tuple[float, int]]] = collections.defaultdict(collections.deque)
         self._decisions = None  # the counter, made on first use inside the ingress replica
 
@@ -107,7 +110,7 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         loads = {r.replica_id: ReplicaLoad.from_stats(r.routing_stats) for r in candidate_replicas}
         sent = {rid: self._sent_since(rid, load.taken_at) for rid, load in loads.items() if load is not None}
         decision, ranks = rank_replicas(loads, len(request.prompt_token_ids), sent, now, self.stale_after_s,
-                                        request.max_tokens)
+                                        request.max_tokens, self.spare_requests)
         self._count(decision)
         if decision == "stale":
             return await super().choose_replicas(candidate_replicas, pending_request)
