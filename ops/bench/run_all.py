@@ -230,15 +230,15 @@ def _engine_weight_bytes(hf_dir: Path) -> int:
     return model.base_weight_bytes() + sum(model.layer_weight_bytes(i) for i in range(len(model.layers)))
 
 
+def _fleet_budget(specs) -> int | None:
+    """The fleet accuracy budget the pressure-aware fleet system runs with (None: not in this run)."""
+    spec = specs.get(FLEET_PRESSURE)
+    return spec.app_args.get("fleet_max_quantized_layers") if spec is not None else None
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def _fleet_budget(specs) -> int | None:
-    """The fleet accuracy budget the pressure-aware fleet system runs with (None: not in this run)."""
-    spec = specs.get(FLEET_PRESSURE)
-    return spec.app_args.get("fleet_max_quantized_layers") if spec is not None else None
