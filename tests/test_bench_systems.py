@@ -233,3 +233,11 @@ def test_server_process_reports_an_early_exit(tmp_path):
         server.proc.wait()
         with pytest.raises(ServerStartError, match="exited"):
             server.wait_ready(f"http://127.0.0.1:{free_port()}/health", deadline_s=30)
+
+
+def test_the_fleet_budget_is_a_command_line_setting():
+    from ops.bench.run_all import bench_config, parse_args
+
+    assert bench_config(parse_args(["--fleet", "--quick"])).fleet_budget_replicas == 1.0
+    cfg = bench_config(parse_args(["--fleet", "--fleet-budget-replicas", "1.5"]))
+    assert cfg.fleet_budget_replicas == 1.5 and cfg.systems == fleet_systems()
