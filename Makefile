@@ -61,7 +61,7 @@ bench-quick: $(STAMP) $(KERNELS)
 
 # Two replicas: Serve's default router + local policies vs the fleet controller + pressure-aware router.
 bench-fleet: $(STAMP) $(KERNELS)
-	$(PY) -m ops.bench.run_all --fleet --no-crosscheck
+	$(PY) -m ops.bench.run_all --fleet --repeats 1 --no-crosscheck
 
 # Offline tokens/s and peak RSS: this engine, Hugging Face generate, vLLM.
 bench-throughput: $(STAMP) $(KERNELS)

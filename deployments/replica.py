@@ -228,7 +228,8 @@ class LLMServer:
         snapshot = self.engine.pressure()
         return ReplicaLoad(free_blocks=snapshot.available_blocks - snapshot.waiting_demand_blocks,
                            num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=time.time(),
-                           reservation_tokens=snapshot.reservation_tokens).to_stats()
+                           reservation_tokens=snapshot.reservation_tokens,
+                           num_quantized=self.engine.morph_state().num_quantized).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.

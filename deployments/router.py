@@ -9,16 +9,21 @@ reaches the router as `replica.routing_stats`.
 
 A replica's stats are its latest pressure figures: the KV blocks a new request may take (free blocks
 net of demand: less what running requests are still owed inside their output reservation and what
-the waiting queue needs, engine/demand.py), waiting requests, block size, output reservation and the
-wall-clock time they were taken. A request needs the blocks admission reserves for it: its prompt
+the waiting queue needs, engine/demand.py), waiting requests, block size, output reservation, the
+layers it holds quantized and the wall-clock time they were taken. A request needs the blocks admission reserves for it: its prompt
 plus the output reservation (capped by its max_tokens). The router subtracts the blocks of the
 requests it has itself sent there since the stats were taken, so a burst does not all land on the
 replica that looked emptiest a moment ago (limit: each ingress replica's router counts only its own
 sends; the next stats, every `request_routing_stats_period_s`, include everyone's). Then:
 
-    rank 1: replicas that can admit the request now (nothing waiting, headroom >= its blocks);
-            among them Serve takes the shortest queue (ties broken by queue length)
-    rank 2..: the others, most headroom first
+    fits: nothing waiting there and headroom >= the request's blocks; unmorphed: no layer quantized
+    comfortable: its headroom after the request still holds `spare_requests` more of its size
+            (it will not need to morph for this one)
+    rank 1: unmorphed replicas that fit comfortably; among them Serve takes the shortest queue
+    rank 2: unmorphed replicas that fit only tightly (the shortest queue again)
+    rank 3, 4: replicas that fit but hold quantized layers, comfortable then tight: sending them
+            less lets their KV drain so they restore (and give fleet budget back) sooner
+    then:   the others, one rank each, most headroom first, fewer waiting first on a tie
     stale or missing stats for any candidate, or a call other than `generate`:
             Serve's default, power of two choices (the parent class)
 
@@ -48,6 +53,7 @@ class ReplicaLoad:
     block_size: int  # tokens per KV block
     taken_at: float  # wall clock (time.time) when read
     reservation_tokens: int = 0  # output tokens admission reserves per request (engine/demand.py)
+    num_quantized: int = 0  # layers it holds quantized now (> 0: it would rather restore than take more)
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
@@ -63,29 +69,35 @@ class ReplicaLoad:
             return None
         try:
             return cls(int(stats["free_blocks"]), int(stats["num_waiting"]), max(1, int(stats["block_size"])),
-                       float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)))
+                       float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)),
+                       int(stats.get("num_quantized", 0)))
         except (KeyError, TypeError, ValueError):
             return None
 
 
 def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], prompt_tokens: int, sent_blocks: dict[Hashable, int],
-                  now: float, stale_after_s: float, max_tokens: int | None = None) -> tuple[Decision, list[list[Hashable]]]:
+                  now: float, stale_after_s: float, max_tokens: int | None = None,
+                  spare_requests: int = 1) -> tuple[Decision, list[list[Hashable]]]:
     """Pure: the ranks for one request, or ("stale", []) when any load is missing or older than
     `stale_after_s`. `sent_blocks`: blocks this router sent to each replica after its stats."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
         return "stale", []
     headroom = {rid: load.free_blocks - sent_blocks.get(rid, 0) for rid, load in loads.items()}
-    admits = [rid for rid, load in loads.items()
-              if load.num_waiting == 0 and headroom[rid] >= load.blocks_for(prompt_tokens, max_tokens)]
-    rest = sorted((rid for rid in loads if rid not in admits), key=lambda rid: (-headroom[rid], loads[rid].num_waiting))
-    ranks = ([admits] if admits else []) + [[rid] for rid in rest]
-    return ("admits" if admits else "kv_full"), ranks
+    need = {rid: max(1, load.blocks_for(prompt_tokens, max_tokens)) for rid, load in loads.items()}
+    fits = [rid for rid, load in loads.items() if load.num_waiting == 0 and headroom[rid] >= need[rid]]
+    groups: dict[tuple[bool, bool], list[Hashable]] = collections.defaultdict(list)
+    for rid in fits:  # (morphed, tight): False sorts first
+        tight = headroom[rid] - need[rid] < spare_requests * need[rid]
+        groups[(loads[rid].num_quantized > 0, tight)].append(rid)
+    rest = sorted((rid for rid in loads if rid not in fits), key=lambda rid: (-headroom[rid], loads[rid].num_waiting))
+    ranks = [groups[key] for key in sorted(groups)] + [[rid] for rid in rest]
+    return ("admits" if fits else "kv_full"), ranks
 
 
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
-    def initialize_state(self, stale_after_s: float = 2.0, **kwargs: Any) -> None:
+    def initialize_state(self, stale_after_s: float = 2.0, spare_requests: int = 1, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
-        self.stale_after_s = stale_after_s
+        self.stale_after_s, self.spare_requests = stale_after_s, spare_requests
         self._sent: dict[Any, collections.deque[tuple[float, int]]] = collections.defaultdict(collections.deque)
         self._decisions = None  # the counter, made on first use inside the ingress replica
 
@@ -98,7 +110,7 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         loads = {r.replica_id: ReplicaLoad.from_stats(r.routing_stats) for r in candidate_replicas}
         sent = {rid: self._sent_since(rid, load.taken_at) for rid, load in loads.items() if load is not None}
         decision, ranks = rank_replicas(loads, len(request.prompt_token_ids), sent, now, self.stale_after_s,
-                                        request.max_tokens)
+                                        request.max_tokens, self.spare_requests)
         self._count(decision)
         if decision == "stale":
             return await super().choose_replicas(candidate_replicas, pending_request)

@@ -22,7 +22,7 @@ from ops.bench.systems import (ALL_SYSTEMS, FLEET_BASELINE, FLEET_PRESSURE, MIB,
                                VLLM, ModelFacts, fleet_note, fleet_switches_available, fleet_systems,
                                interleaved_schedule, morphserve_app_args, morphserve_command, morphserve_labels,
                                morphserve_status,
-                               plan_budget, serve_config, system_specs, vllm_command, vllm_env, vllm_kv_tokens,
+                               fleet_budget_layers, plan_budget, serve_config, system_specs, vllm_command, vllm_env, vllm_kv_tokens,
                                vllm_status_parser)
 
 
@@ -127,6 +127,9 @@ def test_fleet_systems_are_two_replica_app_args(facts):
         assert (base["fleet_controller"], base["pressure_router"]) == (False, False)
         pressure = morphserve_app_args(system_specs([FLEET_PRESSURE], 4)[0], plan, "/m", "t")
         assert (pressure["fleet_controller"], pressure["pressure_router"]) == (True, True)
+        # One accuracy budget for the fleet: one replica's balanced cap (60% of 4 layers = 2); none for the baseline.
+        assert pressure["fleet_max_quantized_layers"] == 2 and "fleet_max_quantized_layers" not in base
+        assert parse_app_args({**pressure, "model": facts.hf_dir}).fleet_config().fleet_max_quantized_layers == 2
         assert "fleet_controller" in fleet_note(names)
     else:  # only the baseline runs, and the report says why
         assert names == (FLEET_BASELINE,) and "fleet_controller" not in base
@@ -134,6 +137,14 @@ def test_fleet_systems_are_two_replica_app_args(facts):
         with pytest.raises(BenchmarkInputError, match="lacks"):
             system_specs([FLEET_PRESSURE], 4)
     assert fleet_note([STATIC_FP]) is None
+
+
+def test_the_fleet_budget_is_counted_in_replicas_caps_and_bounded():
+    assert fleet_budget_layers(30, 1.0) == 18  # balanced: 60% of 30 layers
+    assert fleet_budget_layers(30, 1.5) == 27 and fleet_budget_layers(30, 9.0) == 36  # never above both caps
+    assert fleet_budget_layers(30, 0.01) == 1
+    with pytest.raises(BenchmarkInputError, match="fleet_budget_replicas"):
+        fleet_budget_layers(30, 0.0)
 
 
 def test_vllm_gets_the_same_kv_bytes(facts):
@@ -222,3 +233,11 @@ def test_server_process_reports_an_early_exit(tmp_path):
         server.proc.wait()
         with pytest.raises(ServerStartError, match="exited"):
             server.wait_ready(f"http://127.0.0.1:{free_port()}/health", deadline_s=30)
+
+
+def test_the_fleet_budget_is_a_command_line_setting():
+    from ops.bench.run_all import bench_config, parse_args
+
+    assert bench_config(parse_args(["--fleet", "--quick"])).fleet_budget_replicas == 1.0
+    cfg = bench_config(parse_args(["--fleet", "--fleet-budget-replicas", "1.5"]))
+    assert cfg.fleet_budget_replicas == 1.5 and cfg.systems == fleet_systems()

@@ -7,8 +7,9 @@ from deployments.router import ReplicaLoad, rank_replicas
 NOW = 1000.0
 
 
-def load(free: int, waiting: int = 0, age: float = 0.1) -> ReplicaLoad:
-    return ReplicaLoad(free_blocks=free, num_waiting=waiting, block_size=16, taken_at=NOW - age)
+def load(free: int, waiting: int = 0, age: float = 0.1, quantized: int = 0) -> ReplicaLoad:
+    return ReplicaLoad(free_blocks=free, num_waiting=waiting, block_size=16, taken_at=NOW - age,
+                       num_quantized=quantized)
 
 
 def test_requests_go_to_the_replicas_whose_kv_admits_them_now():
@@ -18,10 +19,29 @@ def test_requests_go_to_the_replicas_whose_kv_admits_them_now():
     assert decision == "admits" and ranks == [["roomy"], ["queued"], ["full"]]
 
 
-def test_several_that_admit_share_one_rank_for_serve_to_break_the_tie_by_queue_length():
-    decision, ranks = rank_replicas({"a": load(20), "b": load(30), "c": load(2)}, prompt_tokens=64,
+def test_those_that_admit_with_room_to_spare_share_one_rank_for_serve_to_break_the_tie_by_queue_length():
+    # 64 tokens need 4 blocks: 20 and 9 free blocks both hold this request and one more like it.
+    decision, ranks = rank_replicas({"a": load(20), "b": load(9), "c": load(2)}, prompt_tokens=64,
                                     sent_blocks={}, now=NOW, stale_after_s=2.0)
     assert decision == "admits" and ranks == [["a", "b"], ["c"]]
+
+
+def test_a_replica_the_request_would_fill_comes_after_those_with_room_to_spare():
+    # 7 free blocks take this 4-block request but not one more: it would be pressed to morph.
+    loads = {"tight": load(7), "roomy": load(30), "full": load(2)}
+    assert rank_replicas(loads, 64, {}, NOW, 2.0) == ("admits", [["roomy"], ["tight"], ["full"]])
+    # With no spare asked for, both fit alike and Serve's queue length decides.
+    assert rank_replicas(loads, 64, {}, NOW, 2.0, spare_requests=0) == ("admits", [["tight", "roomy"], ["full"]])
+
+
+def test_a_morphed_replica_gets_requests_only_after_every_unmorphed_one_that_admits():
+    # "morphed" has the most room (its quantized layers freed KV) but takes less so it can restore.
+    loads = {"morphed": load(60, quantized=6), "tight": load(7), "roomy": load(12), "full": load(1)}
+    decision, ranks = rank_replicas(loads, prompt_tokens=64, sent_blocks={}, now=NOW, stale_after_s=2.0)
+    assert decision == "admits" and ranks == [["roomy"], ["tight"], ["morphed"], ["full"]]
+    # When only the morphed one admits, it still comes before those that cannot.
+    loads = {"morphed": load(60, quantized=6), "full": load(1)}
+    assert rank_replicas(loads, 64, {}, NOW, 2.0) == ("admits", [["morphed"], ["full"]])
 
 
 def test_blocks_already_sent_since_the_stats_count_against_a_replica():
@@ -43,7 +63,7 @@ def test_stale_or_missing_stats_fall_back_to_serves_default():
 
 
 def test_stats_round_trip_and_foreign_stats_are_ignored():
-    original = load(12, waiting=3)
+    original = load(12, waiting=3, quantized=4)
     assert ReplicaLoad.from_stats(original.to_stats()) == original
     assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
     assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None

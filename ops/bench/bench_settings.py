@@ -46,6 +46,7 @@ class BenchConfig:
     seed: int = 0
     time_budget_s: float = 3300.0  # make bench under an hour: fewer repeats when a slow machine needs it
     run_overhead_s: float = 60.0  # server start, warm-up and stop per run (estimate for the budget)
+    fleet_budget_replicas: float = 1.0  # --fleet: the fleet's accuracy budget, in one replica's balanced cap
     quality: bool = True  # teacher-forced agreement and token-weighted perplexity after the load phase
     ppl_tokens: int = 2048
     ppl_window: int = 512

@@ -55,6 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="default", help="'default' or a Hugging Face folder / .gguf")
     ap.add_argument("--capacity-rps", type=float, default=None, help="skip the probe: capacity in requests/s")
     ap.add_argument("--no-crosscheck", action="store_true", help="skip the `vllm bench serve` cross-check")
+    ap.add_argument("--fleet-budget-replicas", type=float, default=None, help="--fleet: the fleet controller's "
+                    "accuracy budget, in one replica's balanced-mode cap (default 1)")
     ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
     return ap.parse_args(argv)
 
@@ -62,7 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     base = BenchConfig.quick() if args.quick else BenchConfig()
     changes = {k: v for k, v in (("repeats", args.repeats), ("window_s", args.window_s),
-                                 ("capacity_rps", args.capacity_rps)) if v is not None}
+                                 ("capacity_rps", args.capacity_rps),
+                                 ("fleet_budget_replicas", args.fleet_budget_replicas)) if v is not None}
     if args.systems:
         changes["systems"] = tuple(args.systems)
     elif args.fleet:
@@ -88,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     facts = ModelFacts.from_hf_dir(files.hf_dir)
     plan = plan_budget(facts, cfg.max_model_len, cfg.kv_sequences, cfg.block_size, cfg.max_num_batched_tokens,
                        weight_bytes=_engine_weight_bytes(files.hf_dir))
-    specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers)}
+    specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers, cfg.fleet_budget_replicas)}
     trace = load_trace(datasets.resolve("azure_conv", args.trace))
     unscaled = build_workload(trace, workload_spec(cfg))
     encode, decode = _tokenizer(files.hf_dir)
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log(f"calibration: {calibration.describe()}\nworkload: {workload.describe()}\n{len(schedule)} runs of about "
          f"{workload.duration_s + 45:.0f} s each (replay + server start)")
     info = _ReportInfo(cfg, plan, workload.describe(), command, prompts, files.name, calibration.describe(),
-                       tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems), budget_note))) or None)
+                       tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems, _fleet_budget(specs)), budget_note))) or None)
     runs: list[SystemRun] = []
     failures: list[str] = []
     for i, (repeat, name) in enumerate(schedule):
@@ -225,6 +228,12 @@ def _engine_weight_bytes(hf_dir: Path) -> int:
 
     model = build_model(load_config(hf_dir), load_weights(hf_dir, torch.bfloat16), torch.bfloat16, "cpu")
     return model.base_weight_bytes() + sum(model.layer_weight_bytes(i) for i in range(len(model.layers)))
+
+
+def _fleet_budget(specs) -> int | None:
+    """The fleet accuracy budget the pressure-aware fleet system runs with (None: not in this run)."""
+    spec = specs.get(FLEET_PRESSURE)
+    return spec.app_args.get("fleet_max_quantized_layers") if spec is not None else None
 
 
 def _log(msg: str) -> None:

@@ -54,11 +54,25 @@ def fleet_systems() -> tuple[str, ...]:
     return (FLEET_BASELINE, FLEET_PRESSURE) if fleet_switches_available() else (FLEET_BASELINE,)
 
 
-def fleet_note(systems) -> str | None:
+def fleet_budget_layers(num_layers: int, replicas_worth: float) -> int:
+    """The fleet accuracy budget of FLEET_PRESSURE (AppArgs.fleet_max_quantized_layers): `replicas_worth`
+    times one replica's balanced-mode cap. 1.0: the fleet may lose, in sum, the precision one replica
+    may lose alone; the baseline's replicas may each go to their cap (twice that)."""
+    from controller.policy_config import PolicyConfig
+
+    cap = PolicyConfig(mode="balanced").active.cap_layers(num_layers)
+    if not replicas_worth > 0:
+        raise BenchmarkInputError(f"fleet_budget_replicas={replicas_worth}: give a positive number of replicas' caps")
+    return max(1, min(FLEET_REPLICAS * cap, round(replicas_worth * cap)))
+
+
+def fleet_note(systems, budget_layers: int | None = None) -> str | None:
     if not any(s in (FLEET_BASELINE, FLEET_PRESSURE) for s in systems):
         return None
     if fleet_switches_available():
-        return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread; "
+        budget = (f"; {FLEET_PRESSURE} has fleet_max_quantized_layers={budget_layers} (one accuracy budget for "
+                  f"the fleet), {FLEET_BASELINE} has none" if budget_layers is not None else "")
+        return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread{budget}; "
                 f"{FLEET_BASELINE} = {FLEET_SWITCHES[FLEET_BASELINE]}, {FLEET_PRESSURE} = {FLEET_SWITCHES[FLEET_PRESSURE]}; "
                 f"quantized layer-seconds summed over the replicas, from each replica's own quantized_history "
                 f"(GET /admin/morph), exact to one report interval")
@@ -195,8 +209,9 @@ class SystemSpec:
         return ()
 
 
-def system_specs(names: Sequence[str], num_layers: int) -> tuple[SystemSpec, ...]:
-    known = {s.name: s for s in _all_specs(num_layers)}
+def system_specs(names: Sequence[str], num_layers: int, fleet_budget_replicas: float = 1.0) -> tuple[SystemSpec, ...]:
+    """`fleet_budget_replicas`: FLEET_PRESSURE's fleet accuracy budget, in replicas' caps (fleet_budget_layers)."""
+    known = {s.name: s for s in _all_specs(num_layers, fleet_budget_layers(num_layers, fleet_budget_replicas))}
     if FLEET_PRESSURE in names and not fleet_switches_available():
         raise BenchmarkInputError(f"{FLEET_PRESSURE} needs AppArgs {sorted(FLEET_SWITCHES[FLEET_PRESSURE])}, which "
                                   f"this build lacks; run {FLEET_BASELINE} only")
@@ -208,7 +223,7 @@ def system_specs(names: Sequence[str], num_layers: int) -> tuple[SystemSpec, ...
     return tuple(known[n] for n in names)
 
 
-def _all_specs(num_layers: int) -> tuple[SystemSpec, ...]:
+def _all_specs(num_layers: int, fleet_budget: int) -> tuple[SystemSpec, ...]:
     dynamic = tuple(SystemSpec(f"morphserve-{m}", "morphserve", f"MorphServe dynamic, {m} mode", mode=m)
                     for m in ("accuracy", "balanced", "performance"))
     return (SystemSpec(STATIC_FP, "morphserve", "MorphServe, morphing off (all layers bf16)", enable_morphing=False),
@@ -218,8 +233,13 @@ def _all_specs(num_layers: int) -> tuple[SystemSpec, ...]:
             SystemSpec(VLLM, "vllm", "vLLM CPU build, bf16, same KV bytes"),
             *(SystemSpec(name, "morphserve", f"MorphServe fleet, {FLEET_REPLICAS} replicas", mode="balanced",
                          replicas=FLEET_REPLICAS,
-                         app_args=FLEET_SWITCHES[name] if fleet_switches_available() else {})
+                         app_args=_fleet_args(name, fleet_budget) if fleet_switches_available() else {})
               for name in (FLEET_BASELINE, FLEET_PRESSURE)))
+
+
+def _fleet_args(name: str, fleet_budget: int) -> dict:
+    budget = {"fleet_max_quantized_layers": fleet_budget} if name == FLEET_PRESSURE else {}
+    return {**FLEET_SWITCHES[name], **budget}
 
 
 def interleaved_schedule(systems: Sequence[str], repeats: int) -> list[tuple[int, str]]:
