@@ -87,6 +87,13 @@ def _pin(url: str, body: dict) -> None:
     http("POST", url + "/admin/morph", body, headers=AUTH, timeout_s=30)
 
 
+def _restored_and_idle(status: dict | None) -> bool:
+    """One admin status (one HTTP call per poll): every layer back and nothing running."""
+    status = status or {}
+    return (status.get("morph_state", {}).get("num_quantized", 1) == 0
+            and status.get("pressure", {}).get("num_running", 1) == 0)
+
+
 def _wait(predicate, timeout_s: float, every_s: float = 0.5) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -116,9 +123,7 @@ def run_cycles(url: str, config: SoakConfig, traffic: Traffic, observer: Observe
         traffic.set_active(False)
         if driver == "pin":
             _pin(url, {"morphing_enabled": True})
-        restored = _wait(lambda: (observer.status() or {}).get("morph_state", {}).get("num_quantized", 1) == 0
-                         and (observer.status() or {}).get("pressure", {}).get("num_running", 1) == 0,
-                         max(config.quiet_s, 60))
+        restored = _wait(lambda: _restored_and_idle(observer.status()), max(config.quiet_s, 60))
         observer.idle_now.set()
         time.sleep(min(config.quiet_s, 3.0))  # let an idle sample or two land; the plateau is what we read
         events.append({"t": round(time.monotonic() - t0, 1), "cycle_driver": driver, "restored": restored})

@@ -68,7 +68,7 @@ def memory_by_replica(samples: list[Sample], tolerance: float) -> list[dict[str,
             first, last = idle[0].rss_bytes, idle[-1].rss_bytes
             row.update(rss_first_idle=first, rss_last_idle=last, growth_after_first_idle=(last - first) / first,
                        within_tolerance=(last - first) / first <= tolerance)
-            if idle[0].rss_anon_bytes and idle[-1].rss_anon_bytes is not None:
+            if idle[0].rss_anon_bytes and idle[-1].rss_anon_bytes:  # both sampled (0 would mean unread)
                 a0, a1 = idle[0].rss_anon_bytes, idle[-1].rss_anon_bytes
                 anon_ok = (a1 - a0) / a0 <= tolerance
                 row.update(anon_first_idle=a0, anon_last_idle=a1, anon_growth_after_first_idle=(a1 - a0) / a0,
