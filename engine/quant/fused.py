@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from engine.layers.linear import fuse_rows
 from engine.quant.int4 import Int4Linear
 from engine.quant.int4_kernel import kernel_mm
 from engine.quant.int8 import KERNEL_DTYPE, Int8Linear
@@ -43,6 +44,8 @@ class FusedQuantized:
 
 
 def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
+    if dim == 0:  # members read from the host store already tile one tensor: a view, no copy
+        return fuse_rows(parts)
     with torch.no_grad():
         return torch.cat(list(parts), dim=dim)
 
