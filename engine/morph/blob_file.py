@@ -87,7 +87,7 @@ class MappedBlobs:
         e = self._entries[name]
         dtype = getattr(torch, e["dtype"])
         shape = tuple(e["shape"])
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         begin = self._data_start + e["offset"]
         if begin + nbytes > self._bytes.numel():
             raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file")
