@@ -77,8 +77,28 @@ def test_int4_swap_down_maps_the_kernel_layout_and_fuses_without_copying(tiny_mo
     x = torch.randn(5, engine.model_config.hidden_size)
     for name in ("q_proj", "gate_proj"):
         assert torch.equal(mapped[name](x), from_host[name](x))
-    assert engine.ledger.layer_weights(2) == engine.model.layer_weight_bytes(2)
+    assert engine.ledger.layer_weights(2) == engine.model.layer_weight_bytes(2) == resident_bytes(layer)
+    mapped_file = layer_file(swapper.packed.folder, 2, Precision.INT4).stat().st_size
+    norms = sum(t.nbytes for t in layer.get_norm_weights().values())  # counted with the base weights
+    assert mapped_file - 3 * 4096 <= engine.ledger.layer_weights(2) + norms <= mapped_file  # the map is all counted
     engine.check_integrity()
+
+
+def resident_bytes(layer) -> int:
+    """Bytes spanned by every tensor the layer's linears and fused calls hold (overlaps counted once):
+    equal to the ledger's figure only if no member keeps a second copy beside a fused one."""
+    tensors = [t for lin in layer.get_linears().values() for t in lin.buffers()]
+    for fused in (layer._qkv, layer._gate_up):
+        if fused is not None:
+            tensors += [t for t in (fused.weight, fused.scales, fused.bias) if t is not None]
+    spans = sorted((t.data_ptr(), t.data_ptr() + (t.nbytes if t.is_contiguous()
+                    else (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()))
+                   for t in tensors if t.numel())
+    total, end = 0, 0
+    for lo, hi in spans:
+        total += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    return total
 
 
 def test_a_variant_missing_from_the_packed_store_is_read_from_the_host_store(tiny_model_dir, tmp_path):

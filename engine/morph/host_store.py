@@ -193,6 +193,12 @@ def _copy_out(f: "MappedSafetensors", names: list[str], target: torch.device, fu
             for name in run:
                 out[name] = f.tensor(name).to(target, copy=True)
         return out
+    # INT4 scales fuse along the columns (quant/fused.py concatenates them): kept apart, so the
+    # members' copies are freed once the fused one exists (in the buffer they would stay, uncounted).
+    for run in [r for r in runs if r[0].endswith("scales_and_zeros")]:
+        runs.remove(run)
+        for name in run:
+            out[name] = f.tensor(name).clone()
     raws = carve([sum(f.tensor(n).nbytes for n in run) for run in runs])
     for run, raw in zip(runs, raws):
         offset = 0

@@ -49,6 +49,7 @@ from engine.quant.int4_kernel import cpu_layout
 logger = logging.getLogger(__name__)
 PACK_GROUPS = (*FUSED_GROUPS, ("o_proj",), ("down_proj",))  # what DecoderLayer packs when `pack` is set
 DONE = "complete"
+PACKED_VERSION = 2  # bump when the files' layout changes (2: INT4 scales stored fused along the columns)
 
 
 @functools.cache
@@ -103,7 +104,7 @@ class PackedStore:
         """The layer's record at `precision`, its tensors views of the file's map."""
         try:
             f = self._open(layer, precision)
-            return decode_layer({n: f.tensor(n) for n in f.names}, f.metadata, precision)
+            return decode_layer(_column_views({n: f.tensor(n) for n in f.names}, f.metadata), f.metadata, precision)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise self._error(layer, precision.value, e) from e
 
@@ -116,7 +117,7 @@ def store_layout(store: HostStore) -> str | None:
     """The key of the layouts this process would store for `store` (None: not on this device)."""
     dtype = torch_dtype(Precision(store.manifest.dtype))
     packed = packed_layout() if packing_available(dtype, "cpu") else None
-    return f"{packed or 'plain'}|{cpu_layout()}"
+    return f"v{PACKED_VERSION}|{packed or 'plain'}|{cpu_layout()}"
 
 
 def ensure_packed_store(store: HostStore) -> PackedStore:
@@ -138,7 +139,7 @@ def _build(store: HostStore, layout: str, folder: Path) -> None:
     tmp.mkdir(parents=True)
     full, *low = store.precisions
     for layer in range(store.num_layers):
-        if not layout.startswith("plain|"):
+        if "|plain|" not in layout:
             stored = store.read(layer, full)
             runs, metadata = _encode_full(stored.linears, stored.biases, stored.norms)
             if runs is None:
@@ -176,7 +177,10 @@ def _encode_full(weights: dict[str, torch.Tensor], biases: dict[str, torch.Tenso
 
 
 def _encode_quantized(stored: QuantizedLayer) -> tuple[Runs, dict[str, str]]:
-    """A quantized layer's records as runs (each fused group's tensors of one kind back to back) + metadata."""
+    """A quantized layer's records as runs (each fused group's tensors of one kind back to back) + metadata.
+    An INT4 group's scales_and_zeros ([in/G, out, 2]) fuse along the columns, so they are stored as the
+    fused tensor itself (its members are column views of it, see read_quantized): a back-to-back run
+    cannot make that layout, and a second fused copy would be bytes the ledger does not count."""
     tensors = {f"{n}.weight": t for n, t in stored.norms.items()}
     tensors.update({f"{n}.bias": t for n, t in stored.biases.items()})
     metadata = {"format": stored.precision.value}
@@ -184,6 +188,15 @@ def _encode_quantized(stored: QuantizedLayer) -> tuple[Runs, dict[str, str]]:
         t, m = record.to_tensors(f"{n}.")
         tensors.update(t)
         metadata.update(m)
+    column_groups = []
+    for group in FUSED_GROUPS:
+        sz = [tensors.get(f"{m}.scales_and_zeros") for m in group]
+        if all(t is not None and t.dim() == 3 for t in sz) and len({(t.dtype, t.shape[0]) for t in sz}) == 1:
+            tensors[_fused_sz(group)] = torch.cat(sz, dim=1)
+            for m in group:
+                del tensors[f"{m}.scales_and_zeros"]
+            column_groups.append([list(group), [int(t.shape[1]) for t in sz]])
+    metadata["column_fused_scales"] = json.dumps(column_groups)
     runs: Runs = []
     for group in FUSED_GROUPS:
         for kind in [k.partition(".")[2] for k in tensors if k.partition(".")[0] == group[0]]:
@@ -192,3 +205,17 @@ def _encode_quantized(stored: QuantizedLayer) -> tuple[Runs, dict[str, str]]:
                 runs.append(members)
     placed = {name for run in runs for name, _ in run}
     return runs + [[(n, t)] for n, t in tensors.items() if n not in placed], metadata
+
+
+def _fused_sz(group: tuple[str, ...]) -> str:
+    return f"{'+'.join(group)}.scales_and_zeros"
+
+
+def _column_views(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Each member's scales_and_zeros as its column slice of the group's stored fused tensor."""
+    for group, sizes in json.loads(metadata.get("column_fused_scales", "[]")):
+        fused, col = tensors.pop(_fused_sz(tuple(group))), 0
+        for m, n in zip(group, sizes):
+            tensors[f"{m}.scales_and_zeros"] = fused[:, col:col + n]
+            col += n
+    return tensors
