@@ -13,8 +13,10 @@ A shrink moves live blocks from above the new top to free ids below it (`move_bl
 block is a whole number of pages, that is a move of page-table entries (mremap with MREMAP_DONTUNMAP:
 the source stays mapped, empty), not of bytes: SmolLM2, 100 blocks of 360 KiB, one thread, ~9 ms of
 copying became well under 1 ms. Where the kernel refuses (before Linux 5.13, a run spanning two
-mappings, the map-count limit), that run is copied instead. Each moved run is its own mapping
-afterwards, so the mappings inside the KV range never exceed its number of blocks.
+mappings), that run is copied instead. Each moved run can split the KV range into up to 4 more
+mappings; the process may hold only vm.max_map_count of them (65530 by default) and every other mmap
+(torch's large allocations too) needs them, so the moves stop, and copies take over, once the splits
+could reach an eighth of that limit.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class KVStorage:
         elem = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * elem
         self._mmap: mmap.mmap | None = None
+        self._splits_left = _map_count_allowance()  # mappings the page moves may still create
         if self.device.type == "cpu":
             self.kv = self._reserve_cpu()
         else:
@@ -81,8 +84,10 @@ class KVStorage:
         movable = self._mmap is not None and self.block_bytes % mmap.PAGESIZE == 0 and _mremap() is not None
         base = self.kv.data_ptr()
         for src, dst, n in _runs(sorted(mapping.items())):
-            if not (movable and _move_pages(base + src * self.block_bytes, base + dst * self.block_bytes,
-                                            n * self.block_bytes)):
+            if movable and self._splits_left >= _SPLITS_PER_MOVE and _move_pages(
+                    base + src * self.block_bytes, base + dst * self.block_bytes, n * self.block_bytes):
+                self._splits_left -= _SPLITS_PER_MOVE
+            else:
                 self.kv[dst:dst + n].copy_(self.kv[src:src + n])
 
     def set_capacity(self, new_capacity: int) -> None:
@@ -123,6 +128,16 @@ def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
+_SPLITS_PER_MOVE = 4  # a moved run splits the mappings at its source's and destination's two ends
+
+
+def _map_count_allowance() -> int:
+    """How many mappings page moves may add: an eighth of the kernel's per-process limit."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 8
+    except (OSError, ValueError):
+        return 0  # not Linux: no moves
 
 
 @functools.cache

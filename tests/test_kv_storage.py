@@ -114,6 +114,12 @@ def test_move_blocks_equals_a_copy_and_moves_pages_when_blocks_are_whole_pages()
             assert torch.all(s.kv[src] == 0)
         with pytest.raises(ValueError):
             s.move_blocks({1: 2, 2: 3})
+    s = make(max_blocks=64, capacity=64, head_dim=64)
+    s.kv.copy_(torch.randn(s.kv.shape, generator=gen))
+    s._splits_left = 3  # the map-count allowance is spent: runs are copied (the sources keep their contents)
+    expected = s.kv[[40, 41]].clone()
+    s.move_blocks({40: 0, 41: 1})
+    assert torch.equal(s.kv[[0, 1]], expected) and torch.equal(s.kv[[40, 41]], expected)
 
 
 def test_ledger_stages_a_copy_within_the_budget_only():

@@ -112,3 +112,19 @@ def test_a_variant_missing_from_the_packed_store_is_read_from_the_host_store(tin
     assert engine.apply(RestoreLayer(0)).status == "done"
     assert all(torch.equal(t, originals[n]) for n, t in current_tensors(engine, 0).items())
     engine.check_integrity()
+
+
+def test_an_unwritable_packed_store_leaves_swaps_to_the_host_store(tiny_model_dir, tmp_path, monkeypatch):
+    from engine.errors import ModelLoadError
+    from engine.morph import packed_store
+
+    def refuse(*args, **kwargs):
+        raise ModelLoadError("cannot write the packed layers (read-only cache)")
+    monkeypatch.setattr(packed_store, "exclusive_build", refuse)
+    engine = engine_for(tiny_model_dir, tmp_path)
+    assert engine.morph_executor.swapper.packed is None
+    originals = original_tensors(engine, 1)
+    assert engine.apply(SwapLayer(1, Precision.INT4)).status == "done"
+    assert engine.apply(RestoreLayer(1)).status == "done"
+    assert all(torch.equal(t, originals[n]) for n, t in current_tensors(engine, 1).items())
+    engine.check_integrity()

@@ -113,23 +113,28 @@ class PackedStore:
                               f"folder and restart to rebuild it")
 
 
-def store_layout(store: HostStore) -> str | None:
-    """The key of the layouts this process would store for `store` (None: not on this device)."""
+def store_layout(store: HostStore) -> str:
+    """The key of the layouts this process stores for `store` (format version, oneDNN's, INT4's)."""
     dtype = torch_dtype(Precision(store.manifest.dtype))
     packed = packed_layout() if packing_available(dtype, "cpu") else None
     return f"v{PACKED_VERSION}|{packed or 'plain'}|{cpu_layout()}"
 
 
-def ensure_packed_store(store: HostStore) -> PackedStore:
-    """The store's layers in this process's in-memory form, built first if missing (locked, atomic)."""
+def ensure_packed_store(store: HostStore) -> PackedStore | None:
+    """The store's layers in this process's in-memory form, built first if missing (locked, atomic);
+    None, said in the log, when it cannot be written (a read-only cache): swaps then read the host store."""
     layout = store_layout(store)
     digest = hashlib.sha256(layout.encode()).hexdigest()[:16]
     root = store.path / "packed"
     folder = root / digest
-    with exclusive_build(root, f"{digest}.lock", f"the packed layers {folder}"):
-        if not (folder / DONE).is_file():
-            _build(store, layout, folder)
-    return PackedStore(folder, layout)
+    try:
+        with exclusive_build(root, f"{digest}.lock", f"the packed layers {folder}"):
+            if not (folder / DONE).is_file():
+                _build(store, layout, folder)
+        return PackedStore(folder, layout)
+    except (ModelLoadError, OSError) as e:
+        logger.warning("no packed layers for %s (%s): swaps and restores copy from the host store", store.path, e)
+        return None
 
 
 def _build(store: HostStore, layout: str, folder: Path) -> None:
