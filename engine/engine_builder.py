@@ -2,8 +2,8 @@
 
     model + tokenizer (engine/loader.py)
       -> memory facts -> [morphing: host store, swap order, layers that start low] -> memory plan
-      -> ledger, KV storage, block pool, block tables -> scheduler, model runner, pressure monitor
-      -> KV resizer -> [morphing: morph executor]
+      -> ledger, KV storage, block pool, block tables -> scheduler, pressure monitor
+      -> KV resizer -> model runner (packs the layers) -> [morphing: packed store, morph executor]
 
 No part reaches back into the engine, and the engine never builds a part itself (nano-vllm style:
 its runner, scheduler and cache arrive built).
@@ -28,6 +28,7 @@ from engine.model_runner import ModelRunner
 from engine.monitor import PressureMonitor
 from engine.morph.executor import MorphExecutor
 from engine.morph.kv_resizer import KVResizer
+from engine.morph.packed_store import ensure_packed_store
 from engine.morph.setup import prepare_morphing
 from engine.precision import Precision, full_precision_for
 from engine.quant.int4_kernel import set_amx_min_rows
@@ -82,8 +83,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_manager = KVCacheManager(pool, config.block_size)
     scheduler = Scheduler(kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
     kv_resizer = KVResizer(pool, storage, kv_manager, ledger, min_blocks=plan.min_blocks)
-    executor = MorphExecutor(model, ledger, kv_resizer, pool, morph.host_store, morph.swap_order,
-                             morph.ladder, forced_quantized=morph.start_low) if morph else None
+    runner = ModelRunner(model, storage, torch.device(config.device))  # packs the model's layers where it pays
+    executor = MorphExecutor(model, ledger, kv_resizer, pool, morph.host_store, morph.swap_order, morph.ladder,
+                             forced_quantized=morph.start_low,
+                             packed_store=ensure_packed_store(morph.host_store) if runner.device.type == "cpu" else None
+                             ) if morph else None
     tokenizer = loaded.tokenizer
     eos = frozenset(mc.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer is not None else ())
     return EngineParts(
@@ -91,7 +95,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len, tokenizer=tokenizer, model=model,
         full_precision=full_precision_for(config.torch_dtype), eos_token_ids=eos, memory_plan=plan, ledger=ledger,
         storage=storage, pool=pool, kv_manager=kv_manager, scheduler=scheduler,
-        runner=ModelRunner(model, storage, torch.device(config.device)),
+        runner=runner,
         monitor=PressureMonitor(scheduler, pool, ledger, reservation_tokens=config.output_reservation_tokens),
         kv_resizer=kv_resizer, morph_executor=executor)
 

@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import BudgetError
 from engine.model import Transformer, layer_bias_names, linear_shapes
 from engine.model_config import ModelConfig
+from engine.precision import Precision
 from engine.quant import quantized_nbytes
 
 
@@ -63,13 +64,27 @@ def plan_memory(budget: int, weights: int, lowest_weights: int, reserve: int, bl
 
 def memory_facts(config: EngineConfig, mc: ModelConfig, model: Transformer, max_model_len: int) -> MemoryFacts:
     elem = torch.empty((), dtype=config.torch_dtype).element_size()
-    # Default reserve: one step's activations at the token budget (hidden, MLP and logits rows).
+    # Default reserve: one step's activations at the token budget (hidden, MLP and logits rows), and the
+    # INT4 AMX kernel's per-thread scratch (transient like activations, so it is counted with them).
     reserve = config.reserve if config.reserve is not None else (
-        config.max_num_batched_tokens * (mc.hidden_size + mc.intermediate_size + mc.vocab_size) * elem)
+        config.max_num_batched_tokens * (mc.hidden_size + mc.intermediate_size + mc.vocab_size) * elem
+        + int4_scratch_bytes(config, mc, torch.get_num_threads()))
     block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * elem
     return MemoryFacts(budget=config.memory_budget_bytes, reserve=int(reserve), base_weights=model.base_weight_bytes(),
                        block_bytes=block_bytes, min_blocks=-(-max_model_len // config.block_size),
                        lowest_layer_bytes=lowest_layer_bytes(config, mc) if config.enable_morphing else None)
+
+
+AMX_BLOCK_N, AMX_CHUNK_M = 64, 128  # engine/kernels/int4_amx.cpp: kBlockN, kChunkM
+
+
+def int4_scratch_bytes(config: EngineConfig, mc: ModelConfig, threads: int) -> int:
+    """What the INT4 AMX op allocates per call while it runs, on every thread: a bf16 [K, 64] dequantized
+    column block and an fp32 [128, 64] accumulator (0 when INT4 is not on the ladder)."""
+    if Precision.INT4 not in config.ladder or not config.enable_morphing:
+        return 0
+    k = max(mc.hidden_size, mc.intermediate_size)
+    return threads * (k * AMX_BLOCK_N * 2 + AMX_CHUNK_M * AMX_BLOCK_N * 4)
 
 
 def lowest_layer_bytes(config: EngineConfig, mc: ModelConfig) -> int:

@@ -12,7 +12,7 @@ WaitingFor = Literal["none", "memory", "compute", "unknown"]
 class LedgerFigures:
     """Bytes by owner at one instant. Invariant: weights + kv + reserve <= budget."""
     budget: int
-    weights: int  # resident weights at their current precisions (all layers + embeddings + norms)
+    weights: int  # resident weights: all layers at their current precisions + embeddings + norms + staged copies
     kv: int  # committed KV blocks x bytes per block
     reserve: int  # fixed activation reserve
 

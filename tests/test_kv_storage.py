@@ -1,4 +1,5 @@
-"""KVStorage: block-major layout, copies across all layers, and real page release on shrink (CPU)."""
+"""KVStorage: block-major layout, copies and moves across all layers, real page release on shrink (CPU);
+the ledger's refusals."""
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
-def make(max_blocks=8, capacity=4, layers=3) -> KVStorage:
-    return KVStorage(num_layers=layers, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+def make(max_blocks=8, capacity=4, layers=3, head_dim=8) -> KVStorage:
+    return KVStorage(num_layers=layers, block_size=4, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32,
                      device="cpu", max_blocks=max_blocks, capacity=capacity)
 
 
@@ -95,3 +96,39 @@ def test_copy_blocks_in_runs_equals_indexed_copy():
         expected[torch.tensor(dst)] = s.kv[torch.tensor(src)]
         s.copy_blocks(dict(zip(src, dst)))
         assert torch.equal(s.kv, expected), trial
+
+
+def test_move_blocks_equals_a_copy_and_moves_pages_when_blocks_are_whole_pages():
+    """Page-sized blocks move by remapping (the sources read as zeros afterwards: nothing was copied);
+    other sizes are copied. Either way every destination holds its source's contents."""
+    gen = torch.Generator().manual_seed(1)
+    for head_dim, moves_pages in ((64, True), (6, False)):  # block bytes 3 x 2 x 4 x 2 x 64 x 4 = 12 KiB; 1152
+        s = make(max_blocks=64, capacity=64, head_dim=head_dim)
+        assert (s.block_bytes % 4096 == 0) == moves_pages
+        s.kv.copy_(torch.randn(s.kv.shape, generator=gen))
+        src, dst = [40, 41, 42, 50, 60, 61], [0, 1, 2, 9, 3, 4]
+        expected = s.kv[src].clone()
+        s.move_blocks(dict(zip(src, dst)))
+        assert torch.equal(s.kv[dst], expected)
+        if moves_pages:
+            assert torch.all(s.kv[src] == 0)
+        with pytest.raises(ValueError):
+            s.move_blocks({1: 2, 2: 3})
+    s = make(max_blocks=64, capacity=64, head_dim=64)
+    s.kv.copy_(torch.randn(s.kv.shape, generator=gen))
+    s._splits_left = 3  # the map-count allowance is spent: runs are copied (the sources keep their contents)
+    expected = s.kv[[40, 41]].clone()
+    s.move_blocks({40: 0, 41: 1})
+    assert torch.equal(s.kv[[0, 1]], expected) and torch.equal(s.kv[[40, 41]], expected)
+
+
+def test_ledger_stages_a_copy_within_the_budget_only():
+    ledger = MemoryLedger(budget=1000, reserve=100)
+    ledger.set_layer_weights(0, 500)
+    ledger.stage(("a", 1), 300)
+    assert ledger.staged == 300 and ledger.weights == 800 and ledger.free == 100
+    with pytest.raises(RuntimeError, match="over budget"):
+        ledger.stage(("b", 1), 101)
+    assert ledger.staged == 300  # the refused stage left nothing behind
+    ledger.unstage(("a", 1))
+    assert ledger.staged == 0 and ledger.free == 400

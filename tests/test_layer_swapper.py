@@ -167,13 +167,34 @@ def test_down_then_up_through_the_ladder(tiny_model_dir, tmp_path):
     assert engine.apply(SwapLayer(2, Precision.FP32)).status == "noop"
 
 
-def test_prefetched_variant_is_used(tiny_model_dir, tmp_path):
+def test_prefetched_variant_is_used_and_counted_while_staged(tiny_model_dir, tmp_path):
     engine = engine_for(tiny_model_dir, tmp_path)
-    swapper = engine.morph_executor.swapper
+    swapper, ledger = engine.morph_executor.swapper, engine.ledger
+    need = swapper.store.layer_bytes(3, Precision.INT4)
+    swapper.prefetch(3, Precision.INT4)  # the KV cache holds every free byte: no room to load ahead
+    assert not swapper._prefetched and ledger.staged == 0
+    engine.kv_resizer.shrink(-(-need // engine.storage.block_bytes))
+    weights_before = ledger.weights
     swapper.prefetch(3, Precision.INT4)
     future = swapper._prefetched[(3, Precision.INT4)]
     prefetched_linears, _ = future.result()
+    assert ledger.staged == need and ledger.weights == weights_before + need  # resident, so counted
+    ledger.check_integrity()
     assert engine.apply(SwapLayer(3, Precision.INT4)).status == "done"
     assert engine.model.layers[3].q_proj is prefetched_linears["q_proj"] and not swapper._prefetched
+    assert ledger.staged == 0 and ledger.layer_weights(3) == engine.model.layer_weight_bytes(3)
     swapper.prefetch(3, Precision.FP32)  # an up move is never prefetched (its bytes are not paid for)
     assert not swapper._prefetched
+
+
+def test_a_dropped_prefetch_gives_its_bytes_back(tiny_model_dir, tmp_path):
+    engine = engine_for(tiny_model_dir, tmp_path)
+    swapper, ledger = engine.morph_executor.swapper, engine.ledger
+    both = sum(swapper.store.layer_bytes(3, p) for p in (Precision.INT4, Precision.INT8))
+    engine.kv_resizer.shrink(-(-both // engine.storage.block_bytes))
+    swapper.prefetch(3, Precision.INT4)
+    swapper.prefetch(3, Precision.INT8)
+    assert ledger.staged == both
+    assert engine.apply(SwapLayer(3, Precision.INT8)).status == "done"  # the INT4 copy is stale now
+    assert ledger.staged == 0 and not swapper._prefetched
+    ledger.check_integrity()

@@ -27,3 +27,17 @@ def test_layers_start_low_in_swap_order_until_one_request_fits():
     assert (plan.capacity, plan.max_blocks) == ((300 - 220 - 40) // 10, (300 - 140 - 40) // 10)
     with pytest.raises(BudgetError, match="even with every layer at int4"):
         fit_budget(MemoryFacts(**{**FACTS.__dict__, "budget": 200}), FULL, LOW, [0, 1, 2, 3], "int4")
+
+
+def test_the_default_reserve_counts_the_int4_kernels_scratch_on_every_thread():
+    from engine.config import EngineConfig
+    from engine.memory_plan import int4_scratch_bytes
+    from engine.model_config import ModelConfig
+
+    mc = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=64, tie_word_embeddings=True)
+    config = EngineConfig(model="default")
+    per_thread = 128 * 64 * 2 + 128 * 64 * 4  # bf16 [K=128, 64] block + fp32 [128, 64] accumulator
+    assert int4_scratch_bytes(config, mc, threads=3) == 3 * per_thread
+    assert int4_scratch_bytes(config.model_copy(update={"morph_ladder": ("int8",)}), mc, threads=3) == 0

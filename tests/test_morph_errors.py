@@ -74,8 +74,11 @@ def test_missing_variant_fails_at_load_naming_layer_and_precision(tiny_model_dir
 
 def test_variant_vanishing_at_run_time_rejects_the_action_and_keeps_serving(tiny_model_dir, tmp_path):
     from engine.morph.actions import SwapLayer
+    from engine.morph.packed_store import layer_file
     engine = engine_for(tiny_model_dir, tmp_path)
-    os.remove(engine.morph_executor.swapper.store.path / layer_file_name(1, Precision.INT8))
+    swapper = engine.morph_executor.swapper
+    os.remove(swapper.store.path / layer_file_name(1, Precision.INT8))
+    os.remove(layer_file(swapper.packed.folder, 1, Precision.INT8))  # its mapped copy too (test_packed_store.py)
     result = engine.apply(SwapLayer(1, Precision.INT8))
     assert result.status == "rejected" and "layer 1 at int8" in result.message
     assert engine.morph_state().num_quantized == 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp")
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}
@@ -63,6 +63,16 @@ def int4_amx_reason() -> str | None:
         if _state["int4_amx"]:
             logger.info("INT4 AMX kernel unavailable (%s); INT4 layers use torch's int4pack kernel", _state["int4_amx"])
     return _state["int4_amx"]  # type: ignore[return-value]
+
+
+def mkldnn_blob_reason() -> str | None:
+    """None when oneDNN-packed weights can be copied out as bytes and wrapped back (mkldnn_blob.cpp)."""
+    _load()
+    if _state["reason"]:
+        return _state["reason"]  # type: ignore[return-value]
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.morphserve, "mkldnn_from_blob"):
+        return "this torch has no oneDNN (mkldnn) backend"
+    return None
 
 
 def int4_amx_op():

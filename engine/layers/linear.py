@@ -77,20 +77,24 @@ class DenseLinear(nn.Module):
 
 
 def _adjacent_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The contiguous tensor that `parts` tile exactly, in order, as row slices; else None."""
-    base = parts[0]._base
-    if base is None or not base.is_contiguous() or base.shape[1:] != parts[0].shape[1:]:
+    """The tensor that `parts` tile exactly, in order, as consecutive rows of one storage (a view of it,
+    no copy); else None."""
+    first = parts[0]
+    if first.dim() == 0 or first.shape[0] == 0:
         return None
-    ptr, row_bytes = base.data_ptr(), (base[0].numel() if base.dim() > 1 else 1) * base.element_size()
+    storage = first.untyped_storage().data_ptr()
+    ptr, row_bytes = first.data_ptr(), first[0].numel() * first.element_size()
     for p in parts:
-        if p._base is not base or not p.is_contiguous() or p.data_ptr() != ptr:
+        if (p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or not p.is_contiguous()
+                or p.untyped_storage().data_ptr() != storage or p.data_ptr() != ptr):
             return None
         ptr += p.shape[0] * row_bytes
-    return base if sum(p.shape[0] for p in parts) == base.shape[0] else None
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride(), first.storage_offset())
 
 
-def _fuse_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    # Reuse the tensor they already tile (a restore of this layer's own saved linears): no copy.
+def fuse_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    # Reuse the tensor they already tile (a layer read from the host store, or a restore of its own
+    # saved linears): no copy.
     fused = _adjacent_rows(parts)
     if fused is None:
         with torch.no_grad():
@@ -117,8 +121,8 @@ def fuse_dense(linears: Sequence[Linear]) -> FusedWeight | None:
     biased = {lin.bias is not None for lin in linears}
     if len(biased) != 1:
         return None
-    weight = _fuse_rows([lin.weight for lin in linears])
-    bias = _fuse_rows([lin.bias for lin in linears]) if biased == {True} else None
+    weight = fuse_rows([lin.weight for lin in linears])
+    bias = fuse_rows([lin.bias for lin in linears]) if biased == {True} else None
     row = 0
     for lin in linears:
         n = lin.out_features

@@ -43,6 +43,24 @@ class PackedGroup:
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.dtype = weight.dtype
+        self._blob: Tensor | None = None  # the memory `packed` lives in when made by from_blob
+
+    @classmethod
+    def from_blob(cls, blob: Tensor, md: Tensor, bias: Tensor | None, out_features: int, in_features: int,
+                  dtype: torch.dtype) -> "PackedGroup":
+        """A group over bytes already in oneDNN's packed layout (`to_blob` of an equal group, described
+        by `md`): no packing and no copy; the group keeps `blob` alive, since the packed tensor made
+        over it does not own it (engine/kernels/mkldnn_blob.cpp)."""
+        group = cls.__new__(cls)
+        group.packed = torch.ops.morphserve.mkldnn_from_blob(blob, md, [out_features, in_features], dtype)
+        group.bias = None if bias is None else bias.detach().contiguous()
+        group.out_features, group.in_features, group.dtype = out_features, in_features, dtype
+        group._blob = blob
+        return group
+
+    def to_blob(self) -> tuple[Tensor, Tensor]:
+        """(bytes, descriptor): a copy of the packed bytes and oneDNN's serialized descriptor of them."""
+        return torch.ops.morphserve.mkldnn_to_blob(self.packed), torch.ops.mkldnn._get_mkldnn_serialized_md(self.packed)
 
     def nbytes(self) -> int:
         return int(torch.ops.mkldnn._nbytes(self.packed)) + (0 if self.bias is None else self.bias.nbytes)

@@ -24,6 +24,7 @@ import logging
 from engine.morph.actions import ActionResult, MorphAction, MorphState, RestoreLayer, SetQuantizedTarget, SwapLayer
 from engine.morph.host_store import HostStore
 from engine.morph.layer_swapper import LayerSwapper, SwapResult
+from engine.morph.packed_store import PackedStore
 from engine.morph.swap_order import SwapOrder
 from engine.precision import Precision
 
@@ -32,9 +33,10 @@ logger = logging.getLogger(__name__)
 
 class MorphExecutor:
     def __init__(self, model, ledger, kv_resizer, pool, host_store: HostStore, swap_order: SwapOrder,
-                 ladder: tuple[Precision, ...], forced_quantized: int = 0):
+                 ladder: tuple[Precision, ...], forced_quantized: int = 0, packed_store: PackedStore | None = None):
         """`ladder` starts at the full precision, e.g. (BF16, INT8, INT4). `forced_quantized`: layers
-        the budget made the engine start with at the lowest rung (no policy may restore below it)."""
+        the budget made the engine start with at the lowest rung (no policy may restore below it).
+        `packed_store`: the full precision as the model runs it pre-packed (restores copy, not pack)."""
         swap_order.check_integrity(len(model.layers))
         missing = [p.value for p in ladder if p not in host_store.precisions]
         if missing:
@@ -42,7 +44,7 @@ class MorphExecutor:
         self.model, self.ledger, self.kv_resizer, self.pool = model, ledger, kv_resizer, pool
         self.swap_order, self.ladder = swap_order, tuple(ladder)
         self.forced_quantized = forced_quantized
-        self.swapper = LayerSwapper(model, host_store, ledger, kv_resizer)
+        self.swapper = LayerSwapper(model, host_store, ledger, kv_resizer, packed_store)
         self._pending: list[MorphAction] = []
 
     @property

@@ -34,6 +34,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model import FUSED_GROUPS, LINEAR_NAMES, NORM_NAMES
 from engine.morph.mapped_file import MappedSafetensors
+from engine.morph.page_buffer import carve, typed
 from engine.precision import Precision
 from engine.quant import Int4Weight, from_tensors
 from engine.quant.awq import LayerWeights, QuantizedLayer
@@ -133,14 +134,14 @@ class HostStore:
             with MappedSafetensors(path) as f:
                 metadata = f.metadata
                 names = _wanted(f.names, metadata, layout)
-                tensors = _copy_out(f, names, target, fuse=device is not None and precision.is_full)
+                tensors = _copy_out(f, names, target, fuse=device is not None)
         except FileNotFoundError:
             raise ModelLoadError(f"host store {self.path} lacks layer {layer} at {precision.value} "
                                  f"({path.name}); {PREPARE_HINT}") from None
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot read layer {layer} at {precision.value} from {path} ({e}); {PREPARE_HINT}") from e
         try:
-            return _decode(tensors, metadata, precision)
+            return decode_layer(tensors, metadata, precision)
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{path} does not hold layer {layer} at {precision.value} ({e}); {PREPARE_HINT}") from e
 
@@ -152,7 +153,7 @@ class HostStore:
 
 
 def encode_layer(stored: StoredLayer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A layer as flat safetensors tensors + metadata (inverse of `_decode`)."""
+    """A layer as flat safetensors tensors + metadata (inverse of `decode_layer`)."""
     tensors = {f"{n}.weight": t for n, t in stored.norms.items()}
     tensors.update({f"{n}.bias": t for n, t in stored.biases.items()})
     metadata: dict[str, str] = {}
@@ -180,25 +181,50 @@ def _cpu_kernel_tensors(record: Int4Weight, prefix: str) -> tuple[dict[str, torc
 
 
 def _copy_out(f: "MappedSafetensors", names: list[str], target: torch.device, fuse: bool) -> dict[str, torch.Tensor]:
-    """One copy of each tensor from the map onto `target`. With `fuse`, each group the model runs as one
-    matmul (q/k/v, gate/up) is copied into row slices of one buffer, so the layer installs it without
-    concatenating (a restore allocates its weights once, in their fused form)."""
+    """One copy of each tensor from the map onto `target`. On CPU the whole layer lands in one weight
+    buffer (page_buffer.py: huge pages, unmapped when the layer is dropped). With `fuse`, the tensors of
+    each group the model runs as one call (q/k/v, gate/up: weights, INT8 codes, INT4 packed bytes) are
+    adjacent rows of that buffer, so the layer fuses them without concatenating: a swap allocates its
+    weights once, in their final form."""
+    runs = _runs(f, names, fuse)
     out: dict[str, torch.Tensor] = {}
-    for group in (FUSED_GROUPS if fuse else ()):
-        keys = [f"{n}.weight" for n in group]
-        views = [f.tensor(k) for k in keys]
-        if len({(v.dtype, v.shape[1:]) for v in views}) != 1:
-            continue
-        buf = torch.empty((sum(v.shape[0] for v in views), *views[0].shape[1:]), dtype=views[0].dtype, device=target)
-        row = 0
-        for k, v in zip(keys, views):
-            out[k] = buf[row:row + v.shape[0]]
-            out[k].copy_(v)
-            row += v.shape[0]
-    for name in names:
-        if name not in out:
-            out[name] = f.tensor(name).to(target, copy=True)
+    if target.type != "cpu":
+        for run in runs:
+            for name in run:
+                out[name] = f.tensor(name).to(target, copy=True)
+        return out
+    # INT4 scales fuse along the columns (quant/fused.py concatenates them): kept apart, so the
+    # members' copies are freed once the fused one exists (in the buffer they would stay, uncounted).
+    for run in [r for r in runs if r[0].endswith("scales_and_zeros")]:
+        runs.remove(run)
+        for name in run:
+            out[name] = f.tensor(name).clone()
+    raws = carve([sum(f.tensor(n).nbytes for n in run) for run in runs])
+    for run, raw in zip(runs, raws):
+        offset = 0
+        for name in run:
+            view = f.tensor(name)
+            out[name] = typed(raw[offset:offset + view.nbytes], view.dtype, view.shape)
+            out[name].copy_(view)
+            offset += view.nbytes
     return out
+
+
+def _runs(f: "MappedSafetensors", names: list[str], fuse: bool) -> list[list[str]]:
+    """`names` in runs to lay out back to back: each fused group's tensors of one kind together, in the
+    group's order (when their dtypes and row shapes agree), every other tensor alone."""
+    runs, placed = [], set()
+    for group in (FUSED_GROUPS if fuse else ()):
+        for name in names:
+            linear, _, kind = name.partition(".")
+            if linear != group[0]:
+                continue
+            run = [f"{member}.{kind}" for member in group]
+            views = [f.tensor(n) for n in run if n in names]
+            if len(views) == len(run) and len({(v.dtype, tuple(v.shape[1:])) for v in views}) == 1:
+                runs.append(run)
+                placed.update(run)
+    return runs + [[name] for name in names if name not in placed]
 
 
 def _wanted(names, metadata: dict[str, str], layout: str | None) -> list[str]:
@@ -213,7 +239,7 @@ def _wanted(names, metadata: dict[str, str], layout: str | None) -> list[str]:
     return [name for name in names if keep(name)]
 
 
-def _decode(tensors: dict[str, torch.Tensor], metadata: dict[str, str], precision: Precision) -> StoredLayer:
+def decode_layer(tensors: dict[str, torch.Tensor], metadata: dict[str, str], precision: Precision) -> StoredLayer:
     norms = {n: tensors[f"{n}.weight"] for n in NORM_NAMES}
     biases = {n: tensors[f"{n}.bias"] for n in LINEAR_NAMES if f"{n}.bias" in tensors}
     if precision.is_full:

@@ -66,7 +66,7 @@ class KVResizer:
             return ResizeResult("waiting", 0, message=(
                 f"{self.pool.num_used} live blocks do not fit below block {new_capacity}; retry when requests finish"))
         t0 = time.perf_counter()
-        self.storage.copy_blocks(mapping)
+        self.storage.move_blocks(mapping)
         self.kv_manager.remap(mapping)
         self.pool.apply_shrink(mapping, new_capacity)
         self.storage.set_capacity(new_capacity)

@@ -3,15 +3,23 @@
     down (fewer bytes)                          up (more bytes, e.g. restore)
     1. load the variant (maybe prefetched)      1. KVResizer shrinks by the bytes the layer needs back
     2. switch: layer.set_weights (atomic)          (migrating live blocks; "waiting" if they do not fit,
-    3. drop the old copy, malloc_trim(0)            and then nothing has changed)
+    3. drop the old copy                            and then nothing has changed)
     4. credit the ledger                        2. claim the bytes in the ledger
     5. KVResizer grows by what the ledger frees 3. load, switch, drop the old copy
 
 Going up claims memory before loading, so weights + kv + reserve <= budget holds at every point the
 ledger can observe. A down move loads first and frees after, so for a moment both copies exist: the
 smaller one is the new one, and it fits in the activation reserve (a layer at INT8 is a fraction of
-what one step's activations take). Prefetch (a worker thread) is used for down moves only, so an
-up move never holds a full-precision copy that the ledger has not paid for.
+what one step's activations take; no step runs meanwhile). Prefetch (a worker thread) is used for down
+moves only, and a prefetched copy is claimed in the ledger (staged) before it is loaded, so an up move
+never holds a copy that the ledger has not paid for.
+
+What a load costs: one copy from the host store's map into the layer's final memory, one buffer per
+layer from the OS (morph/page_buffer.py). A full-precision layer that the model runs pre-packed comes
+from the PackedStore (morph/packed_store.py) already in oneDNN's layout; without one it is packed at the
+switch (its plain rows are then a transient copy on the heap, inside the activation reserve). Dropping
+page-buffered weights unmaps them; only weights that lived on the heap (the loader's, or packed at a
+switch) need malloc_trim for the resident set to fall.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ from engine.ledger import MemoryLedger
 from engine.model import Transformer
 from engine.morph.host_store import HostStore, StoredLayer
 from engine.morph.kv_resizer import KVResizer
+from engine.morph.packed_store import PackedStore
 from engine.precision import Precision
 from engine.quant.awq import LayerWeights
 
@@ -89,10 +98,13 @@ def build_linears(stored: StoredLayer, device: torch.device) -> tuple[dict[str, 
 class LayerSwapper:
     """Owns the layers' precisions. Call `move` only at a step boundary (no step is running)."""
 
-    def __init__(self, model: Transformer, store: HostStore, ledger: MemoryLedger, kv_resizer: KVResizer):
+    def __init__(self, model: Transformer, store: HostStore, ledger: MemoryLedger, kv_resizer: KVResizer,
+                 packed: PackedStore | None = None):
         self.model, self.store, self.ledger, self.kv_resizer = model, store, ledger, kv_resizer
+        self.packed = packed  # full precision in oneDNN's layout, when the model runs pre-packed layers
         self.device = model.embed_weight.device
         self._prefetched: dict[tuple[int, Precision], Future] = {}
+        self._heap_backed = set(range(len(model.layers)))  # layers whose weights live on the heap (the loader's)
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morph-prefetch")
 
     def precision_of(self, layer: int) -> Precision:
@@ -102,23 +114,59 @@ class LayerSwapper:
         return tuple(layer_precision(self.model, i) for i in range(len(self.model.layers)))
 
     def load(self, layer: int, precision: Precision) -> tuple[dict[str, Linear], dict[str, torch.Tensor]]:
-        # Read for our device: one copy from the map, INT4 already in the kernel's layout when stored so.
+        # From the PackedStore: views of the variant exactly as the kernels hold it (no copy, no packing).
+        # Else one copy from the host store's map (INT4 in the kernel's layout when stored so).
+        if self._from_packed_store(layer, precision):
+            if precision.is_full:
+                return self.packed.read_full(layer)
+            return build_linears(self.packed.read_quantized(layer, precision), self.device)
         return build_linears(self.store.read(layer, precision, self.device), self.device)
 
+    def _from_packed_store(self, layer: int, precision: Precision) -> bool:
+        if self.packed is None or (precision.is_full and not self.model.layers[layer].pack):
+            return False
+        return self.packed.has(layer, precision)
+
+    def _heap_backed_load(self, layer: int, precision: Precision) -> bool:
+        """Whether a load of this variant leaves the layer's weights on the heap: not on a CPU (the host's
+        allocator), or packed at the switch (oneDNN allocates the packed copy)."""
+        if self.device.type != "cpu":
+            return True
+        return precision.is_full and self.model.layers[layer].pack and not self._from_packed_store(layer, precision)
+
     def prefetch(self, layer: int, precision: Precision) -> None:
-        """Start loading a variant on the worker thread (down moves only, see the module docstring)."""
+        """Start loading a variant on the worker thread (down moves only, see the module docstring),
+        its bytes claimed in the ledger first; nothing happens when they do not fit."""
         key = (layer, precision)
         if key in self._prefetched or len(self._prefetched) >= _MAX_PREFETCHED:
             return
-        if self.store.layer_bytes(layer, precision) >= self.ledger.layer_weights(layer):
+        nbytes = self.store.layer_bytes(layer, precision)
+        if nbytes >= self.ledger.layer_weights(layer):
+            return
+        try:
+            self.ledger.stage(key, nbytes)
+        except RuntimeError:  # no free bytes for it now: the switch loads it instead
             return
         self._prefetched[key] = self._workers.submit(self.load, layer, precision)
+
+    def _drop_prefetched(self, key: tuple[int, Precision]) -> None:
+        """Forget a prefetch; a load already running is waited for, so the ledger never lets go of bytes
+        that are still being filled."""
+        future = self._prefetched.pop(key)
+        if not future.cancel():
+            future.exception()  # waits; a failed load holds nothing
+        self.ledger.unstage(key)
 
     def _take_loaded(self, layer: int, precision: Precision):
         future = self._prefetched.pop((layer, precision), None)
         for key in [k for k in self._prefetched if k[0] == layer]:  # other variants of it are stale now
-            self._prefetched.pop(key).cancel()
-        return future.result() if future is not None else self.load(layer, precision)
+            self._drop_prefetched(key)
+        if future is None:
+            return self.load(layer, precision)
+        try:
+            return future.result()
+        finally:
+            self.ledger.unstage((layer, precision))  # installed now (counted as the layer's) or failed
 
     def move(self, layer: int, target: Precision) -> SwapResult:
         before = self.precision_of(layer)
@@ -132,10 +180,13 @@ class LayerSwapper:
     def _switch(self, layer: int, target: Precision) -> float:
         """Install the variant and drop the old copy; seconds taken."""
         t0 = time.perf_counter()
+        heap_backed_now, heap_backed_next = layer in self._heap_backed, self._heap_backed_load(layer, target)
         linears, norms = self._take_loaded(layer, target)
         self.model.layers[layer].set_weights(linears, norms)
         del linears, norms  # the layer now holds the only references; the old modules are garbage
-        release_freed_memory()
+        (self._heap_backed.add if heap_backed_next else self._heap_backed.discard)(layer)
+        if heap_backed_now:  # page-buffered weights were unmapped as they were dropped
+            release_freed_memory()
         return time.perf_counter() - t0
 
     def _down(self, layer: int, before: Precision, target: Precision) -> SwapResult:
@@ -181,7 +232,6 @@ class LayerSwapper:
         return SwapResult(layer, before, target, "done", actual - old_bytes, kv_delta, migrated, swap_s, resize_s)
 
     def close(self) -> None:
-        for f in self._prefetched.values():
-            f.cancel()
-        self._prefetched.clear()
+        for key in list(self._prefetched):
+            self._drop_prefetched(key)
         self._workers.shutdown(wait=True)

@@ -11,11 +11,13 @@ of each stays exact, values bit-identical), so the layer's bytes are what the le
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from engine.layers.linear import fuse_rows
 from engine.quant.int4 import Int4Linear
 from engine.quant.int4_kernel import kernel_mm
 from engine.quant.int8 import KERNEL_DTYPE, Int8Linear
@@ -43,8 +45,30 @@ class FusedQuantized:
 
 
 def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:
+    # Members read from the host store or the PackedStore already tile one tensor: a view of it, no copy
+    # (and no second copy beside the one the ledger counts).
+    fused = fuse_rows(parts) if dim == 0 else _adjacent_columns(parts)
+    if fused is not None:
+        return fused
     with torch.no_grad():
         return torch.cat(list(parts), dim=dim)
+
+
+def _adjacent_columns(parts: Sequence[Tensor]) -> Tensor | None:
+    """The [a, sum of n, ...] tensor whose dim-1 slices `parts` ([a, n_i, ...]) are, in order; else None."""
+    first = parts[0]
+    if first.dim() < 2 or first.shape[0] == 0:
+        return None
+    inner = math.prod(first.shape[2:])
+    total = sum(p.shape[1] for p in parts)
+    stride = (total * inner, inner, *(math.prod(first.shape[d + 1:]) for d in range(2, first.dim())))
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for p in parts:
+        if (p.dtype != first.dtype or p.shape[0] != first.shape[0] or p.shape[2:] != first.shape[2:]
+                or p.stride() != stride or p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset):
+            return None
+        offset += p.shape[1] * inner
+    return first.as_strided((first.shape[0], total, *first.shape[2:]), stride, first.storage_offset())
 
 
 def _fused_bias(linears: Sequence[nn.Module]) -> tuple[bool, Tensor | None]:

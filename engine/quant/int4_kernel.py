@@ -85,6 +85,7 @@ def _pack_codes(codes: Tensor, backend: str) -> Tensor:
     return torch.ops.aten._convert_weight_to_int4pack((c[:, 0::2] << 4) | c[:, 1::2], _cuda_inner_tiles(codes.shape[1]))
 
 
+@functools.cache  # asked for every INT4 linear a swap builds; the answer is fixed for the process
 def amx_eligible(layout: str, n: int, k: int, group_size: int) -> bool:
     """Whether the AMX op can read this weight: this process's AVX512 CPU layout (64-column blocks),
     shapes it handles, and the op built and usable here (engine.kernels.int4_amx_reason says why not)."""
