@@ -151,6 +151,7 @@ class _AdminSampler:
         self.replicas = replicas
         self.samples: list[ServerSample] = []
         self.histories: dict[str, list] = {}  # replica id -> its latest quantized_history
+        self.generate_calls: dict[str, int] = {}  # replica id -> generate calls it received (how load spread)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -171,6 +172,9 @@ class _AdminSampler:
                 parsed = json.loads(body)
                 if isinstance(parsed.get("quantized_history"), list):
                     self.histories[str(parsed.get("replica_id"))] = parsed["quantized_history"]
+                calls = (parsed.get("queue") or {}).get("generate_calls")
+                if isinstance(calls, int):
+                    self.generate_calls[str(parsed.get("replica_id"))] = calls
         except (OSError, ValueError):
             pass  # a missed sample is a gap in the plot, not a failed run
 
@@ -195,6 +199,8 @@ class _AdminSampler:
             before = dict(self.histories)
             self._poll(self._t0)
             seen_after |= {rid for rid, h in self.histories.items() if h is not before.get(rid)}
+        if self.generate_calls:  # includes the warm-up request; shows how the router spread the load
+            _log(f"    generate calls per replica: {dict(sorted(self.generate_calls.items()))}")
         offset = self._t0 + self._wall_minus_perf  # sampler time t_s -> wall clock
         samples = list(self.samples)[:during_run]
         return [dataclasses.replace(s, values={**s.values, "quantized_layers": float(fleet_total_at(self.histories, s.t_s + offset)),
