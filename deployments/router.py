@@ -34,7 +34,7 @@ reports every request would go to the same "best" replica, which then queues and
 neighbour idles (the wave-3 fleet benchmark). Queue length is updated by Serve at every send.
 
 Decisions are counted in `morphserve_router_decisions{decision}`, the chosen replica of every
-`generate` call in `morphserve_router_choices{replica}`.
+`generate` call in `morphserve_router_choices{engine_replica}`.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 
 ROUTER_IMPORT_PATH = "deployments.router:PressureAwareRouter"
 DECISIONS_METRIC = "morphserve_router_decisions"  # counter, tag `decision`
-CHOICES_METRIC = "morphserve_router_choices"  # counter, tag `replica`: generate calls routed there
+CHOICES_METRIC = "morphserve_router_choices"  # counter, tag `engine_replica` (Serve reserves `replica`)
 STATS_KIND = "morphserve-kv"  # marks stats this router understands
 Decision = str  # "admits" | "kv_full" | "stale" | "other_call"
 
@@ -184,8 +184,8 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
                 from deployments.metrics import default_backend
 
                 self._choices = default_backend().counter(
-                    CHOICES_METRIC, "Generate calls the pressure-aware router sent to each engine replica", ("replica",))
-            self._choices.inc(1, {"replica": str(getattr(replica_id, "unique_id", replica_id))})
+                    CHOICES_METRIC, "Generate calls the pressure-aware router sent to each engine replica", ("engine_replica",))
+            self._choices.inc(1, {"engine_replica": str(getattr(replica_id, "unique_id", replica_id))})
         except Exception:  # metrics must never break routing
             pass
 
