@@ -67,11 +67,12 @@ def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], c
     started = time.monotonic()
     with started_server(spec, f"r{repeat}", ctx) as server:
         _log(f"  {spec.name} r{repeat}: replaying {len(requests)} requests")
-        result, samples = _replay(spec, server.base_url, server.admin_token, requests, ctx)
+        result, samples, calls = _replay(spec, server.base_url, server.admin_token, requests, ctx)
     ok = sum(r.ok for r in result.records)
     _log(f"  {spec.name} r{repeat}: {ok}/{len(result.records)} ok in {result.duration_s:.0f} s; "
          f"total {time.monotonic() - started:.0f} s")
-    return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples))
+    return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples),
+                     generate_calls=calls)
 
 
 def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_path: Path) -> tuple[list[str], dict]:
@@ -127,7 +128,7 @@ def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequ
                            status_parser=vllm_status_parser() if spec.kind == "vllm" else None)
     if spec.kind == "vllm":
         result = replay(requests, config)
-        return result, list(result.samples)
+        return result, list(result.samples), ()
     # /admin/morph needs the bearer token, which the load generator's sampler does not send: sample it
     # here, on the same clock (the load generator's zero = its call time + start_delay_s, to within
     # the ms its session setup takes).
@@ -137,7 +138,7 @@ def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequ
         result = replay(requests, config)
     finally:
         samples = sampler.stop()
-    return result, samples
+    return result, samples, tuple(calls for _, calls in sorted(sampler.generate_calls.items()))
 
 
 class _AdminSampler:
