@@ -24,14 +24,18 @@ include everyone's). Then:
             equal queues the first listed: an unmorphed replica before a morphed one (sending the
             morphed one less lets it restore sooner), then the one with more headroom
     rank 2: the other replicas that admit, in the same order (used only when rank 1's queues are full)
-    then:   the replicas that cannot admit it now, one rank each, most headroom first, fewer waiting
-            first on a tie (the request waits, or the replica morphs at admission, where it is least)
+    then:   the replicas that cannot admit it now (used only when the queues above are full)
+    none admits it: one rank of all, Serve's shortest queue as its default router would choose (it
+            waits wherever it goes); most headroom, then fewer waiting, first on equal queues. Ranking
+            by headroom here would feed a loop: a replica that morphed has the most headroom, takes
+            the load, and stays morphed.
     stale or missing stats for any candidate, or a call other than `generate`:
             Serve's default, power of two choices (the parent class)
 
-Why not rank by headroom or morph state first: both change only at the next report, so between two
-reports every request would go to the same "best" replica, which then queues and morphs while its
-neighbour idles (the wave-3 fleet benchmark). Queue length is updated by Serve at every send.
+Why headroom and morph state only filter and break ties: both change only at the next report, so a
+rank built on them sends a run of requests to the same replica between two reports, while Serve's
+queue length changes at every send and completion. And a replica that morphed gains headroom, so
+ranking by it draws load to that replica and keeps it morphed.
 
 Decisions are counted in `morphserve_router_decisions{decision}`, the chosen replica of every
 `generate` call in `morphserve_router_choices{engine_replica}`.
@@ -86,9 +90,9 @@ class ReplicaLoad:
 
 def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], prompt_tokens: int, sent_blocks: dict[Hashable, int],
                   now: float, stale_after_s: float, max_tokens: int | None = None) -> tuple[Decision, list[list[Hashable]]]:
-    """Pure: ("admits", [replicas that admit the request now, tie-break order], then one rank per other
-    replica), ("kv_full", one rank per replica) when none admits it, or ("stale", []) when any load is
-    missing or older than `stale_after_s`. `sent_blocks`: blocks this router sent to each replica
+    """Pure: ("admits", [the replicas that admit the request now, in tie-break order], [the others]),
+    ("kv_full", [every replica, most headroom first]) when none admits it, or ("stale", []) when any
+    load is missing or older than `stale_after_s`. `sent_blocks`: blocks this router sent to each replica
     after its stats were taken. Serve picks the shortest queue within the first rank that accepts."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
         return "stale", []
@@ -97,9 +101,9 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], prompt_tokens: int,
               if load.num_waiting == 0 and headroom[rid] >= max(1, load.blocks_for(prompt_tokens, max_tokens))]
     admits.sort(key=lambda rid: (loads[rid].num_quantized > 0, -headroom[rid]))  # ties only: Serve sorts by queue
     rest = sorted((rid for rid in loads if rid not in admits), key=lambda rid: (-headroom[rid], loads[rid].num_waiting))
-    if not admits:
-        return "kv_full", [[rid] for rid in rest]
-    return "admits", [admits] + [[rid] for rid in rest]
+    if not admits:  # it waits wherever it goes: the shortest queue, as Serve's default (headroom on a tie)
+        return "kv_full", [rest]
+    return "admits", [admits, rest] if rest else [admits]
 
 
 def two_choices(rank: list[Hashable], rng: random.Random) -> list[list[Hashable]]:
@@ -151,8 +155,7 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         self._count(decision)
         if decision == "stale":
             return await super().choose_replicas(candidate_replicas, pending_request)
-        if decision == "admits":
-            ranks = two_choices(ranks[0], self._rng) + ranks[1:]
+        ranks = two_choices(ranks[0], self._rng) + ranks[1:]
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[rid] for rid in rank] for rank in ranks]
 

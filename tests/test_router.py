@@ -18,7 +18,7 @@ def test_requests_go_to_the_replicas_whose_kv_admits_them_now():
     decision, ranks = rank_replicas({"full": load(1), "roomy": load(40), "queued": load(60, waiting=2)},
                                     prompt_tokens=100, sent_blocks={}, now=NOW, stale_after_s=2.0)
     # 100 tokens need 7 blocks: only "roomy" admits; "queued" has room but requests wait ahead (FCFS).
-    assert decision == "admits" and ranks == [["roomy"], ["queued"], ["full"]]
+    assert decision == "admits" and ranks == [["roomy"], ["queued", "full"]]
 
 
 def test_all_that_admit_share_the_first_rank_for_serve_to_choose_by_queue_length():
@@ -26,7 +26,7 @@ def test_all_that_admit_share_the_first_rank_for_serve_to_choose_by_queue_length
     # rank them (it changes only at the next report): Serve's queue length does.
     decision, ranks = rank_replicas({"a": load(20), "b": load(5), "c": load(2)}, prompt_tokens=64,
                                     sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "admits" and ranks == [["a", "b"], ["c"]]
+    assert decision == "admits" and ranks == [["a", "b"], ["c"]]  # "c" only if both queues are full
 
 
 def test_an_unmorphed_replica_is_preferred_only_as_the_tie_break_order():
@@ -35,6 +35,7 @@ def test_an_unmorphed_replica_is_preferred_only_as_the_tie_break_order():
     loads = {"morphed": load(60, quantized=6), "tight": load(7), "roomy": load(12), "full": load(1)}
     decision, ranks = rank_replicas(loads, prompt_tokens=64, sent_blocks={}, now=NOW, stale_after_s=2.0)
     assert decision == "admits" and ranks == [["roomy", "tight", "morphed"], ["full"]]
+    assert serve_picks(ranks, {"roomy": 3, "tight": 3, "morphed": 1, "full": 0}) == "morphed"  # queue first
 
 
 def test_blocks_already_sent_since_the_stats_count_against_a_replica():
@@ -45,10 +46,12 @@ def test_blocks_already_sent_since_the_stats_count_against_a_replica():
     assert rank_replicas({"a": load(20), "b": load(10)}, 64, {}, NOW, 2.0) == ("admits", [["a", "b"]])
 
 
-def test_when_none_admits_the_most_headroom_goes_first():
-    decision, ranks = rank_replicas({"a": load(3, waiting=1), "b": load(5, waiting=4)}, prompt_tokens=200,
+def test_when_none_admits_the_shortest_queue_decides_and_headroom_only_breaks_ties():
+    # A morphed replica has the most headroom; ranking by it would draw the load there and keep it morphed.
+    decision, ranks = rank_replicas({"a": load(3, waiting=1), "b": load(5, waiting=4, quantized=8)}, prompt_tokens=200,
                                     sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "kv_full" and ranks == [["b"], ["a"]]
+    assert decision == "kv_full" and ranks == [["b", "a"]]
+    assert serve_picks(ranks, {"a": 2, "b": 6}) == "a" and serve_picks(ranks, {"a": 3, "b": 3}) == "b"
 
 
 def test_stale_or_missing_stats_fall_back_to_serves_default():
@@ -97,9 +100,9 @@ def test_a_replica_that_cannot_admit_gets_nothing_while_another_can_even_with_a_
     loads = {"busy": load(40), "full": load(3)}
     decision, ranks = rank_replicas(loads, 64, {}, NOW, 2.0)
     assert decision == "admits" and serve_picks(ranks, {"busy": 6, "full": 0}) == "busy"
-    # ... and once what was sent there used up its room, the other's larger headroom goes first.
+    # ... and once what was sent there used up its room, neither admits: the queue decides.
     decision, ranks = rank_replicas(loads, 64, {"busy": 40}, NOW, 2.0)
-    assert decision == "kv_full" and ranks == [["full"], ["busy"]]
+    assert decision == "kv_full" and ranks == [["full", "busy"]]
 
 
 def test_in_flight_blocks_count_until_a_report_taken_after_them_and_are_kept_only_so_long():
