@@ -78,8 +78,9 @@ def fleet_note(systems, budget_layers: int | None = None) -> str | None:
     if not ran:
         return None
     if fleet_switches_available():
-        budget = (f"; {', '.join(s for s in ran if s in BUDGETED) or 'none'} ha(s) fleet_max_quantized_layers="
-                  f"{budget_layers} (one accuracy budget for the fleet), the others none" if budget_layers is not None else "")
+        budgeted = [s for s in ran if s in BUDGETED]
+        budget = (f"; fleet_max_quantized_layers={budget_layers} (one accuracy budget for the fleet) for "
+                  f"{', '.join(budgeted)}, none for the others" if budget_layers is not None and budgeted else "")
         return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread{budget}; "
                 f"{', '.join(f'{s} = {FLEET_SWITCHES[s]}' for s in ran)}; "
                 f"quantized layer-seconds summed over the replicas, from each replica's own quantized_history "
