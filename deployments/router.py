@@ -64,9 +64,9 @@ class ReplicaLoad:
     free_blocks: int  # KV blocks a new request may take: free, net of running and waiting demand
     num_waiting: int  # requests the engine has not admitted yet
     block_size: int  # tokens per KV block
-    taken_at: float  # wall clock (time.time) when read
+    taken_at: float  # wall clock (time.time) of the step boundary the figures describe
     reservation_tokens: int = 0  # output tokens admission reserves per request (engine/demand.py)
-    num_quantized: int = 0  # layers it holds quantized now (> 0: it would rather restore than take more)
+    num_quantized: int = 0  # layers it holds quantized now (> 0: listed after unmorphed ones, for ties)
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
