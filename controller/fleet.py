@@ -3,7 +3,8 @@
 It keeps each replica's recent snapshots, runs the same pure policy for it, and adds the fleet rules:
   * accuracy budget: at most `fleet_max_quantized_layers` quantized layers over all replicas; when
     replicas together want more, the budget goes to those under most pressure first (the others are
-    capped, and restore if they hold more than their share);
+    capped, and restore if they hold more than their share); what no policy targets is shared out as
+    admission headroom, so every replica can still morph at admission within its part;
   * scale-out: a replica that stays at its morph cap under sustained pressure for
     `scale_out_after_s` (measured on its own snapshot clock) asks for another replica: only then does
     its directive carry `scale_out`, which the replica hands to Ray Serve's autoscaler;
@@ -111,8 +112,13 @@ class FleetController:
         return directive
 
     def _grants(self) -> dict[str, int]:
-        """Each replica's share of the fleet budget; empty when there is no fleet cap. Replicas under
-        most pressure are served first; a replica's demand is what its own policy would target."""
+        """Each replica's share of the fleet budget; empty when there is no fleet cap. First what each
+        replica's own policy targets, to those under most pressure first; then what is left of the
+        budget is shared out as admission headroom, in the same order, each taking its part of what
+        remains (rounded up) up to its mode cap. That headroom is what lets a replica's engine morph at
+        admission the moment a request does not fit (engine/morph/admission.py), as it would with its
+        local policy; without it a replica could morph only after the sampled policy saw pressure
+        sustained over several reports, so bursts queued, and it stepped further down than it needed."""
         budget = self._config.fleet_max_quantized_layers
         if budget is None:
             return {}
@@ -123,16 +129,22 @@ class FleetController:
         for rid in order:
             grants[rid] = min(demand[rid], remaining)
             remaining -= grants[rid]
+        for i, rid in enumerate(order):
+            part = -(-remaining // (len(order) - i))  # ceil: the more pressed take the odd layer
+            extra = max(0, min(part, morph_cap(self._replicas[rid].state, policy) - grants[rid]))
+            grants[rid] += extra
+            remaining -= extra
         return grants
 
     def _allowance(self, replica_id: str, share: int | None) -> int | None:
-        """Its share, less whatever the others still hold or were told to reach beyond theirs: a grant
-        that moves from A to B reaches B only as A gives layers back, so the layers held over the
-        fleet never exceed the budget, not even while A restores."""
+        """Its share, less whatever the others still hold, were told to reach, or were allowed at their
+        last report beyond theirs: a grant that moves from A to B reaches B only as A gives layers back
+        or reports its smaller allowance, so the layers held over the fleet never exceed the budget,
+        not even while A restores or morphs at admission within what it was last allowed."""
         budget = self._config.fleet_max_quantized_layers
         if budget is None or share is None:
             return share
-        others = sum(_committed(v) for rid, v in self._replicas.items() if rid != replica_id)
+        others = sum(max(_committed(v), v.grant or 0) for rid, v in self._replicas.items() if rid != replica_id)
         return max(0, min(share, budget - others))
 
     def _score(self, view: ReplicaView) -> float:

@@ -57,7 +57,6 @@ class AppArgs(BaseModel):
     engine_stall_s: float = Field(60.0, gt=0.0, description="a replica whose engine has work but finishes no step for this long fails its health check")
     pressure_router: bool = Field(True, description="route engine requests by free KV blocks (deployments/router.py); false: Serve's default power of two choices")
     router_stale_after_s: float = Field(2.0, gt=0.0, description="older routing stats than this: the pressure router falls back to Serve's default")
-    router_spare_requests: int = Field(1, ge=0, description="the pressure router prefers replicas whose KV headroom after a request still holds this many more of its size (they will not need to morph); among them, the shortest queue")
     router_stats_period_s: float = Field(0.5, gt=0.0, description="how often Serve pulls each replica's routing stats")
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one ingress replica handles at once")
@@ -142,8 +141,7 @@ class AppArgs(BaseModel):
         from deployments.router import ROUTER_IMPORT_PATH
 
         return {"request_router_class": ROUTER_IMPORT_PATH,
-                "request_router_kwargs": {"stale_after_s": self.router_stale_after_s,
-                                          "spare_requests": self.router_spare_requests},
+                "request_router_kwargs": {"stale_after_s": self.router_stale_after_s},
                 "request_routing_stats_period_s": self.router_stats_period_s,
                 "request_routing_stats_timeout_s": max(1.0, 2 * self.router_stats_period_s)}
 

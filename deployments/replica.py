@@ -82,6 +82,7 @@ class LLMServer:
         self.config = config = self.args.engine_config(resolve_device(self.args.device))
         self.block_size = config.block_size
         self._last_admission: dict[str, Any] | None = None  # served when a status cannot wait for a boundary
+        self.generate_calls = 0  # generate calls this replica received (how a router spread the load)
         started = time.monotonic()
         # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
         self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
@@ -99,6 +100,7 @@ class LLMServer:
 
     # -- EngineClient methods (called through the DeploymentHandle) --------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        self.generate_calls += 1
         async for chunk in stream_with_error_chunks(request, self._generate(request)):
             yield chunk
 
@@ -175,7 +177,8 @@ class LLMServer:
                          "memory": dataclasses.asdict(snapshot.ledger), **demand_summary(snapshot)},
             "admission": admission,
             "load_seconds": round(self.load_seconds, 3),
-            "queue": {"live_requests": self.engine.num_live, "capacity": self.engine.capacity},
+            "queue": {"live_requests": self.engine.num_live, "capacity": self.engine.capacity,
+                      "generate_calls": self.generate_calls},
             "process": {"pid": os.getpid(), **resident_set()},
             **self.morph_loop.status(),
         }
@@ -224,10 +227,13 @@ class LLMServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the pressure-aware router (deployments/router.py) reads: the KV blocks a new request
-        may take now (free, less what running requests are owed and what the queue needs)."""
+        may take now (free, less what running requests are owed and what the queue needs). `taken_at` is
+        the wall-clock time of the step boundary the snapshot describes (it can be a long step old): the
+        router counts every request it sent after that as not yet in these figures."""
         snapshot = self.engine.pressure()
+        taken_at = time.time() - max(0.0, time.monotonic() - snapshot.time)
         return ReplicaLoad(free_blocks=snapshot.available_blocks - snapshot.waiting_demand_blocks,
-                           num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=time.time(),
+                           num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=taken_at,
                            reservation_tokens=snapshot.reservation_tokens,
                            num_quantized=self.engine.morph_state().num_quantized).to_stats()
 

@@ -90,3 +90,14 @@ def test_build_report_needs_runs_and_a_full_precision_run(results, tmp_path):
         build_report(BenchResults(results.settings, ()), tmp_path)
     with pytest.raises(BenchmarkInputError, match="full-precision"):
         score_quality(results.runs, "missing", {})
+
+
+def test_the_busiest_replicas_share_of_requests_shows_how_a_fleet_spread_its_load(results):
+    even = SystemRun(system="fleet", repeat=0, records=(), generate_calls=(50, 50))
+    packed = SystemRun(system="fleet", repeat=1, records=(), generate_calls=(90, 10))
+    assert even.busiest_share == 0.5 and packed.busiest_share == 0.9
+    assert SystemRun(system="one", repeat=0, records=(), generate_calls=(7,)).busiest_share is None
+    assert SystemRun(system="none", repeat=0, records=()).busiest_share is None
+    table = summarize(BenchResults(results.settings, (*results.runs, even, packed)))
+    assert table["fleet"]["busiest_replica_share"].median == pytest.approx(0.7)
+    assert table["fp"]["busiest_replica_share"].n == 0

@@ -139,6 +139,20 @@ def test_fleet_systems_are_two_replica_app_args(facts):
     assert fleet_note([STATIC_FP]) is None
 
 
+def test_the_fleet_a_b_halves_switch_one_part_each(facts):
+    if not fleet_switches_available():
+        pytest.skip("this build has no fleet switches")
+    plan = plan_budget(facts, max_model_len=64, kv_sequences=2)
+    args = {n: morphserve_app_args(system_specs([n], 4)[0], plan, "/m", "t")
+            for n in ("fleet-controller-only", "fleet-router-only")}
+    assert (args["fleet-controller-only"]["fleet_controller"], args["fleet-controller-only"]["pressure_router"]) == (True, False)
+    assert args["fleet-controller-only"]["fleet_max_quantized_layers"] == 2  # the controller brings the fleet budget
+    assert (args["fleet-router-only"]["fleet_controller"], args["fleet-router-only"]["pressure_router"]) == (False, True)
+    assert "fleet_max_quantized_layers" not in args["fleet-router-only"]
+    note = fleet_note(["fleet-serve-router", "fleet-router-only"])
+    assert "fleet-router-only = {'fleet_controller': False, 'pressure_router': True}" in note
+
+
 def test_the_fleet_budget_is_counted_in_replicas_caps_and_bounded():
     assert fleet_budget_layers(30, 1.0) == 18  # balanced: 60% of 30 layers
     assert fleet_budget_layers(30, 1.5) == 27 and fleet_budget_layers(30, 9.0) == 36  # never above both caps

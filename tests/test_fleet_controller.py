@@ -128,6 +128,28 @@ def test_max_quantized_is_derived_from_the_same_grant_the_fleet_allows():
     assert d.max_quantized == 6 and d.grant <= 4
 
 
+def test_what_no_policy_targets_is_shared_as_admission_headroom_most_pressed_first():
+    """Quiet replicas are not held at 0: each may morph at admission within its part of the budget (the
+    local policy's fast path), and the parts never add up to more than the budget."""
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=5), clock=FakeClock())
+    a, b = FakeReplica("a", 0.1, 0.0), FakeReplica("b", 0.1, 0.0)
+    last = {}
+    for _ in range(4):
+        for r in (a, b):
+            last[r.replica_id] = fleet.report(r.replica_id, r.snapshot(), r.state)
+            assert sum(d.max_quantized for d in last.values()) <= 5
+    assert {d.target_quantized for d in last.values()} == {0}  # nobody is told to morph ...
+    assert sorted(d.max_quantized for d in last.values()) == [2, 3]  # ... but both may, at admission
+    # The pressure moves to b: its part grows, and a's shrinks before b's grows past the rest.
+    b.kv_usage, b.queue_delay = 0.99, 0.5
+    for _ in range(6):
+        for r in (b, a):
+            last[r.replica_id] = fleet.report(r.replica_id, r.snapshot(), r.state)
+            assert sum(d.max_quantized for d in last.values()) <= 5
+    assert last["b"].target_quantized == 2  # its own policy's target comes first, then its part of the rest
+    assert last["b"].max_quantized == 4 and last["a"].max_quantized == 1
+
+
 def test_a_forgotten_replica_gives_its_grant_back():
     clock = FakeClock()
     fleet = FleetController(FleetConfig(fleet_max_quantized_layers=4, replica_timeout_s=2.0), clock=clock)

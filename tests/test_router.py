@@ -2,7 +2,9 @@
 2-replica fleet test (tests/test_fleet_serve.py)."""
 from __future__ import annotations
 
-from deployments.router import ReplicaLoad, rank_replicas
+import random
+
+from deployments.router import InFlight, ReplicaLoad, rank_replicas, two_choices
 
 NOW = 1000.0
 
@@ -16,44 +18,40 @@ def test_requests_go_to_the_replicas_whose_kv_admits_them_now():
     decision, ranks = rank_replicas({"full": load(1), "roomy": load(40), "queued": load(60, waiting=2)},
                                     prompt_tokens=100, sent_blocks={}, now=NOW, stale_after_s=2.0)
     # 100 tokens need 7 blocks: only "roomy" admits; "queued" has room but requests wait ahead (FCFS).
-    assert decision == "admits" and ranks == [["roomy"], ["queued"], ["full"]]
+    assert decision == "admits" and ranks == [["roomy"], ["queued", "full"]]
 
 
-def test_those_that_admit_with_room_to_spare_share_one_rank_for_serve_to_break_the_tie_by_queue_length():
-    # 64 tokens need 4 blocks: 20 and 9 free blocks both hold this request and one more like it.
-    decision, ranks = rank_replicas({"a": load(20), "b": load(9), "c": load(2)}, prompt_tokens=64,
+def test_all_that_admit_share_the_first_rank_for_serve_to_choose_by_queue_length():
+    # 64 tokens need 4 blocks: 20 and 5 free blocks both admit it; how much room is left does not
+    # rank them (it changes only at the next report): Serve's queue length does.
+    decision, ranks = rank_replicas({"a": load(20), "b": load(5), "c": load(2)}, prompt_tokens=64,
                                     sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "admits" and ranks == [["a", "b"], ["c"]]
+    assert decision == "admits" and ranks == [["a", "b"], ["c"]]  # "c" only if both queues are full
 
 
-def test_a_replica_the_request_would_fill_comes_after_those_with_room_to_spare():
-    # 7 free blocks take this 4-block request but not one more: it would be pressed to morph.
-    loads = {"tight": load(7), "roomy": load(30), "full": load(2)}
-    assert rank_replicas(loads, 64, {}, NOW, 2.0) == ("admits", [["roomy"], ["tight"], ["full"]])
-    # With no spare asked for, both fit alike and Serve's queue length decides.
-    assert rank_replicas(loads, 64, {}, NOW, 2.0, spare_requests=0) == ("admits", [["tight", "roomy"], ["full"]])
-
-
-def test_a_morphed_replica_gets_requests_only_after_every_unmorphed_one_that_admits():
-    # "morphed" has the most room (its quantized layers freed KV) but takes less so it can restore.
+def test_an_unmorphed_replica_is_preferred_only_as_the_tie_break_order():
+    # "morphed" has the most room (its quantized layers freed KV) but is listed after the unmorphed
+    # ones that admit, so on equal queues Serve sends it less and it can restore; it is still in rank 1.
     loads = {"morphed": load(60, quantized=6), "tight": load(7), "roomy": load(12), "full": load(1)}
     decision, ranks = rank_replicas(loads, prompt_tokens=64, sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "admits" and ranks == [["roomy"], ["tight"], ["morphed"], ["full"]]
-    # When only the morphed one admits, it still comes before those that cannot.
-    loads = {"morphed": load(60, quantized=6), "full": load(1)}
-    assert rank_replicas(loads, 64, {}, NOW, 2.0) == ("admits", [["morphed"], ["full"]])
+    assert decision == "admits" and ranks == [["roomy", "tight", "morphed"], ["full"]]
+    assert serve_picks(ranks, {"roomy": 3, "tight": 3, "morphed": 1, "full": 0}) == "morphed"  # queue first
 
 
 def test_blocks_already_sent_since_the_stats_count_against_a_replica():
     decision, ranks = rank_replicas({"a": load(20), "b": load(10)}, prompt_tokens=64, sent_blocks={"a": 18},
                                     now=NOW, stale_after_s=2.0)
     assert decision == "admits" and ranks == [["b"], ["a"]]
+    # A fresh report (taken after those sends) includes them: nothing is subtracted any more.
+    assert rank_replicas({"a": load(20), "b": load(10)}, 64, {}, NOW, 2.0) == ("admits", [["a", "b"]])
 
 
-def test_when_none_admits_the_most_headroom_goes_first():
-    decision, ranks = rank_replicas({"a": load(3, waiting=1), "b": load(5, waiting=4)}, prompt_tokens=200,
+def test_when_none_admits_the_shortest_queue_decides_and_headroom_only_breaks_ties():
+    # A morphed replica has the most headroom; ranking by it would draw the load there and keep it morphed.
+    decision, ranks = rank_replicas({"a": load(3, waiting=1), "b": load(5, waiting=4, quantized=8)}, prompt_tokens=200,
                                     sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "kv_full" and ranks == [["b"], ["a"]]
+    assert decision == "kv_full" and ranks == [["b", "a"]]
+    assert serve_picks(ranks, {"a": 2, "b": 6}) == "a" and serve_picks(ranks, {"a": 3, "b": 3}) == "b"
 
 
 def test_stale_or_missing_stats_fall_back_to_serves_default():
@@ -76,3 +74,52 @@ def test_a_request_needs_its_prompt_and_the_output_reservation_capped_by_max_tok
     assert rank_replicas({"r": roomy}, 100, {}, NOW, 2.0)[0] == "kv_full"
     assert rank_replicas({"r": roomy}, 100, {}, NOW, 2.0, max_tokens=12) == ("admits", [["r"]])
     assert ReplicaLoad.from_stats(roomy.to_stats()) == roomy
+
+
+def serve_picks(ranks: list[list[str]], queue: dict[str, int]) -> str:
+    """What Serve does with the ranks (request_router.py): the first rank's shortest queue, the first
+    listed on a tie (a fake of the layer above, for these unit tests)."""
+    return min(ranks[0], key=lambda rid: queue[rid])
+
+
+def test_a_burst_between_two_reports_spreads_evenly_over_two_equal_replicas():
+    loads = {"a": load(40), "b": load(40)}
+    in_flight, queue, sent_to = InFlight(keep_s=4.0), {"a": 0, "b": 0}, {"a": 0, "b": 0}
+    for i in range(8):  # 8 requests of 4 blocks, all before the next stats
+        sent = {rid: in_flight.since(rid, l.taken_at) for rid, l in loads.items()}
+        decision, ranks = rank_replicas(loads, 64, sent, NOW + 0.01 * i, 2.0)
+        assert decision == "admits"
+        chosen = serve_picks(ranks, queue)
+        queue[chosen] += 1
+        sent_to[chosen] += 1
+        in_flight.record(chosen, NOW + 0.01 * i, 4)
+    assert sent_to == {"a": 4, "b": 4}
+
+
+def test_a_replica_that_cannot_admit_gets_nothing_while_another_can_even_with_a_longer_queue():
+    loads = {"busy": load(40), "full": load(3)}
+    decision, ranks = rank_replicas(loads, 64, {}, NOW, 2.0)
+    assert decision == "admits" and serve_picks(ranks, {"busy": 6, "full": 0}) == "busy"
+    # ... and once what was sent there used up its room, neither admits: the queue decides.
+    decision, ranks = rank_replicas(loads, 64, {"busy": 40}, NOW, 2.0)
+    assert decision == "kv_full" and ranks == [["full", "busy"]]
+
+
+def test_in_flight_blocks_count_until_a_report_taken_after_them_and_are_kept_only_so_long():
+    in_flight = InFlight(keep_s=4.0)
+    in_flight.record("a", NOW, 4)
+    in_flight.record("a", NOW + 1.0, 6)
+    assert in_flight.since("a", NOW - 0.5) == 10  # stats older than both sends: both count
+    assert in_flight.since("a", NOW + 0.5) == 6  # a fresh report includes the first
+    assert in_flight.since("a", NOW + 2.0) == 0 and in_flight.since("b", 0.0) == 0
+    in_flight.record("a", NOW + 10.0, 1)  # the first two are dropped: no stats that old are used
+    assert in_flight.since("a", 0.0) == 1
+
+
+def test_power_of_two_choices_among_more_replicas_that_admit():
+    rank = ["r0", "r1", "r2", "r3", "r4"]
+    for seed in range(20):
+        first, rest = two_choices(rank, random.Random(seed))
+        assert len(first) == 2 and sorted(first + rest) == rank
+        assert first == sorted(first, key=rank.index)  # the tie-break order is kept
+    assert two_choices(["a", "b"], random.Random(0)) == [["a", "b"]]

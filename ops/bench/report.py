@@ -40,6 +40,13 @@ class SystemRun:
     weighted_ppl: float | None = None  # WikiText-2 perplexity of its configurations, token-weighted
     quantized_layer_s: float | None = None  # integral of quantized layers over the run (sampled)
     engine_blocked_s: tuple[float, ...] = ()  # reaction.engine_blocked_waits: the engine's own head waits
+    generate_calls: tuple[int, ...] = ()  # generate calls each engine replica received (a fleet's load spread)
+
+    @property
+    def busiest_share(self) -> float | None:
+        """The busiest replica's share of the generate calls (0.5 = even over 2 replicas); None for one."""
+        total = sum(self.generate_calls)
+        return max(self.generate_calls) / total if len(self.generate_calls) > 1 and total else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +119,7 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row["reaction_median_s"] = spread(r.reaction.median_s if r.reaction else None for r in runs)
         row["reaction_max_s"] = spread(r.reaction.max_s if r.reaction else None for r in runs)
         row["engine_blocked_median_s"] = spread(_median_or_none(r.engine_blocked_s) for r in runs)
+        row["busiest_replica_share"] = spread(r.busiest_share for r in runs)
         table[system] = row
     fp_ref = _median(table.get(s.full_precision_system, {}), "rouge_l_vs_reference")
     for row in table.values():
@@ -174,7 +182,8 @@ _TABLES = (
     ("Reaction to bursts (from the first arrival that did not fit in KV to the capacity that admits it)",
      (("episodes", "stall_episodes"), ("reaction median (s)", "reaction_median_s"), ("reaction max (s)", "reaction_max_s"),
       ("engine-reported head wait median (s)", "engine_blocked_median_s"),
-      ("quantized layer-seconds", "quantized_layer_s"))),
+      ("quantized layer-seconds", "quantized_layer_s"),
+      ("busiest replica's share of requests", "busiest_replica_share"))),
     ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
                                     ("quality loss reduction vs static INT4 (teacher-forced)", "loss_reduction_vs_int4_full_tf"),
                                     ("WikiText-2 perplexity, token-weighted over configurations", "weighted_ppl"))),
@@ -259,7 +268,7 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
                   "metrics": run_metrics(r, s.slo_ttft_s).flat(),
                   "quality": dataclasses.asdict(r.quality) if r.quality else None,
                   "tf_agreement": r.tf_agreement, "weighted_ppl": r.weighted_ppl,
-                  "quantized_layer_s": r.quantized_layer_s,
+                  "quantized_layer_s": r.quantized_layer_s, "generate_calls": list(r.generate_calls),
                   "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
                   "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],
                   "requests": [dataclasses.asdict(x) for x in r.records]} for r in results.runs],

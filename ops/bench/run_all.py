@@ -35,7 +35,7 @@ from ops.bench.reaction import engine_blocked_waits, reaction_times
 from ops.bench.report import BenchResults, BenchSettings, SystemRun, build_report, score_quality, summarize
 from ops.bench.run_one import REPO, RunContext, run_system
 from ops.bench.server_process import ServerStartError
-from ops.bench.systems import (ALL_SYSTEMS, FLEET_BASELINE, FLEET_PRESSURE, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4,
+from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_SYSTEMS, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4,
                                ModelFacts, fleet_note, fleet_systems, interleaved_schedule, plan_budget, system_specs,
                                vllm_block_size, vllm_kv_tokens)
 from ops.bench.traces import load_trace
@@ -48,7 +48,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "the fleet controller + pressure-aware router")
     ap.add_argument("--repeats", type=int, default=None, help="repeats per system (default 2; --quick: 1)")
     ap.add_argument("--window-s", type=float, default=None, help="trace window length in seconds (default 12)")
-    ap.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS + (FLEET_BASELINE, FLEET_PRESSURE), help="systems, in order")
+    ap.add_argument("--systems", nargs="+", default=None, choices=ALL_SYSTEMS + FLEET_SYSTEMS, help="systems, in order")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default ops/bench/results/<timestamp>)")
     ap.add_argument("--trace", type=Path, default=None, help="Azure or BurstGPT CSV; default: the Azure "
                     "conversation trace (engine/datasets.py finds or downloads it)")
@@ -232,7 +232,7 @@ def _engine_weight_bytes(hf_dir: Path) -> int:
 
 def _fleet_budget(specs) -> int | None:
     """The fleet accuracy budget the pressure-aware fleet system runs with (None: not in this run)."""
-    spec = specs.get(FLEET_PRESSURE)
+    spec = next((specs[n] for n in BUDGETED if n in specs), None)
     return spec.app_args.get("fleet_max_quantized_layers") if spec is not None else None
 
 

@@ -67,11 +67,12 @@ def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], c
     started = time.monotonic()
     with started_server(spec, f"r{repeat}", ctx) as server:
         _log(f"  {spec.name} r{repeat}: replaying {len(requests)} requests")
-        result, samples = _replay(spec, server.base_url, server.admin_token, requests, ctx)
+        result, samples, calls = _replay(spec, server.base_url, server.admin_token, requests, ctx)
     ok = sum(r.ok for r in result.records)
     _log(f"  {spec.name} r{repeat}: {ok}/{len(result.records)} ok in {result.duration_s:.0f} s; "
          f"total {time.monotonic() - started:.0f} s")
-    return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples))
+    return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples),
+                     generate_calls=calls)
 
 
 def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_path: Path) -> tuple[list[str], dict]:
@@ -127,7 +128,7 @@ def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequ
                            status_parser=vllm_status_parser() if spec.kind == "vllm" else None)
     if spec.kind == "vllm":
         result = replay(requests, config)
-        return result, list(result.samples)
+        return result, list(result.samples), ()
     # /admin/morph needs the bearer token, which the load generator's sampler does not send: sample it
     # here, on the same clock (the load generator's zero = its call time + start_delay_s, to within
     # the ms its session setup takes).
@@ -137,7 +138,7 @@ def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequ
         result = replay(requests, config)
     finally:
         samples = sampler.stop()
-    return result, samples
+    return result, samples, tuple(calls for _, calls in sorted(sampler.generate_calls.items()))
 
 
 class _AdminSampler:
@@ -151,6 +152,7 @@ class _AdminSampler:
         self.replicas = replicas
         self.samples: list[ServerSample] = []
         self.histories: dict[str, list] = {}  # replica id -> its latest quantized_history
+        self.generate_calls: dict[str, int] = {}  # replica id -> generate calls it received (how load spread)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -171,6 +173,9 @@ class _AdminSampler:
                 parsed = json.loads(body)
                 if isinstance(parsed.get("quantized_history"), list):
                     self.histories[str(parsed.get("replica_id"))] = parsed["quantized_history"]
+                calls = (parsed.get("queue") or {}).get("generate_calls")
+                if isinstance(calls, int):
+                    self.generate_calls[str(parsed.get("replica_id"))] = calls
         except (OSError, ValueError):
             pass  # a missed sample is a gap in the plot, not a failed run
 
@@ -195,6 +200,8 @@ class _AdminSampler:
             before = dict(self.histories)
             self._poll(self._t0)
             seen_after |= {rid for rid, h in self.histories.items() if h is not before.get(rid)}
+        if self.generate_calls:  # includes the warm-up request; shows how the router spread the load
+            _log(f"    generate calls per replica: {dict(sorted(self.generate_calls.items()))}")
         offset = self._t0 + self._wall_minus_perf  # sampler time t_s -> wall clock
         samples = list(self.samples)[:during_run]
         return [dataclasses.replace(s, values={**s.values, "quantized_layers": float(fleet_total_at(self.histories, s.t_s + offset)),

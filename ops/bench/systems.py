@@ -33,11 +33,18 @@ QUICK_SYSTEMS = (STATIC_FP, STATIC_INT4, "morphserve-balanced", VLLM)
 # memory for both systems), 1 thread each; both in balanced mode.
 FLEET_BASELINE = "fleet-serve-router"  # Serve's default router + every replica's own (local) policy
 FLEET_PRESSURE = "fleet-pressure-router"  # the fleet controller + the pressure-aware router
+# The A/B halves (`--systems`): which of the two parts helps, and which hurts.
+FLEET_CONTROLLER_ONLY = "fleet-controller-only"  # the fleet controller (and its budget) + Serve's default router
+FLEET_ROUTER_ONLY = "fleet-router-only"  # every replica's local policy + the pressure-aware router
 FLEET_REPLICAS = 2
-# AppArgs switches (deployments/app_args.py) that tell the two apart; a build without them can only
+# AppArgs switches (deployments/app_args.py) that tell them apart; a build without them can only
 # run the baseline as the app's default (fleet_note says so in the report).
 FLEET_SWITCHES = {FLEET_BASELINE: {"fleet_controller": False, "pressure_router": False},
-                  FLEET_PRESSURE: {"fleet_controller": True, "pressure_router": True}}
+                  FLEET_PRESSURE: {"fleet_controller": True, "pressure_router": True},
+                  FLEET_CONTROLLER_ONLY: {"fleet_controller": True, "pressure_router": False},
+                  FLEET_ROUTER_ONLY: {"fleet_controller": False, "pressure_router": True}}
+FLEET_SYSTEMS = tuple(FLEET_SWITCHES)
+BUDGETED = (FLEET_PRESSURE, FLEET_CONTROLLER_ONLY)  # the systems that run the fleet accuracy budget
 
 
 def _app_fields() -> set[str]:
@@ -67,13 +74,15 @@ def fleet_budget_layers(num_layers: int, replicas_worth: float) -> int:
 
 
 def fleet_note(systems, budget_layers: int | None = None) -> str | None:
-    if not any(s in (FLEET_BASELINE, FLEET_PRESSURE) for s in systems):
+    ran = [s for s in systems if s in FLEET_SYSTEMS]
+    if not ran:
         return None
     if fleet_switches_available():
-        budget = (f"; {FLEET_PRESSURE} has fleet_max_quantized_layers={budget_layers} (one accuracy budget for "
-                  f"the fleet), {FLEET_BASELINE} has none" if budget_layers is not None else "")
+        budgeted = [s for s in ran if s in BUDGETED]
+        budget = (f"; fleet_max_quantized_layers={budget_layers} (one accuracy budget for the fleet) for "
+                  f"{', '.join(budgeted)}, none for the others" if budget_layers is not None and budgeted else "")
         return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread{budget}; "
-                f"{FLEET_BASELINE} = {FLEET_SWITCHES[FLEET_BASELINE]}, {FLEET_PRESSURE} = {FLEET_SWITCHES[FLEET_PRESSURE]}; "
+                f"{', '.join(f'{s} = {FLEET_SWITCHES[s]}' for s in ran)}; "
                 f"quantized layer-seconds summed over the replicas, from each replica's own quantized_history "
                 f"(GET /admin/morph), exact to one report interval")
     return (f"fleet: this build's AppArgs has no {sorted(FLEET_SWITCHES[FLEET_PRESSURE])} switches, so only "
@@ -212,8 +221,8 @@ class SystemSpec:
 def system_specs(names: Sequence[str], num_layers: int, fleet_budget_replicas: float = 1.0) -> tuple[SystemSpec, ...]:
     """`fleet_budget_replicas`: FLEET_PRESSURE's fleet accuracy budget, in replicas' caps (fleet_budget_layers)."""
     known = {s.name: s for s in _all_specs(num_layers, fleet_budget_layers(num_layers, fleet_budget_replicas))}
-    if FLEET_PRESSURE in names and not fleet_switches_available():
-        raise BenchmarkInputError(f"{FLEET_PRESSURE} needs AppArgs {sorted(FLEET_SWITCHES[FLEET_PRESSURE])}, which "
+    if any(n in FLEET_SYSTEMS and n != FLEET_BASELINE for n in names) and not fleet_switches_available():
+        raise BenchmarkInputError(f"{names} need AppArgs {sorted(FLEET_SWITCHES[FLEET_PRESSURE])}, which "
                                   f"this build lacks; run {FLEET_BASELINE} only")
     unknown = [n for n in names if n not in known]
     if unknown or not names:
@@ -234,11 +243,11 @@ def _all_specs(num_layers: int, fleet_budget: int) -> tuple[SystemSpec, ...]:
             *(SystemSpec(name, "morphserve", f"MorphServe fleet, {FLEET_REPLICAS} replicas", mode="balanced",
                          replicas=FLEET_REPLICAS,
                          app_args=_fleet_args(name, fleet_budget) if fleet_switches_available() else {})
-              for name in (FLEET_BASELINE, FLEET_PRESSURE)))
+              for name in FLEET_SYSTEMS))
 
 
 def _fleet_args(name: str, fleet_budget: int) -> dict:
-    budget = {"fleet_max_quantized_layers": fleet_budget} if name == FLEET_PRESSURE else {}
+    budget = {"fleet_max_quantized_layers": fleet_budget} if name in BUDGETED else {}
     return {**FLEET_SWITCHES[name], **budget}
 
 

@@ -46,6 +46,11 @@ def fleet_control_row() -> Row:
             description="admits: some replica's free KV admits the request now (shortest queue among them); "
             "kv_full: none does (most free blocks first); stale: routing stats too old, Serve's default "
             "router; other_call: not a generation.", unit="ops", stacked=True, width=16),
+        Panel("Router choices per replica", (Query(rate(
+            "ray_morphserve_router_choices_total", "engine_replica", sel=APP_SEL), "{{engine_replica}}"),),
+            description="Generate calls the pressure-aware router sent to each engine replica: even lines "
+            "mean the load is spread; one line far above the others means it concentrates load.",
+            unit="ops", stacked=True, width=8),
     ))
 
 

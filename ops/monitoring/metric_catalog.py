@@ -81,13 +81,14 @@ def project_metrics_from_code() -> dict[str, MetricKind] | None:
     try:
         from controller.fleet_metrics import FleetMetrics
         from deployments.metrics import InMemoryBackend, ServeMetrics
-        from deployments.router import DECISIONS_METRIC
+        from deployments.router import CHOICES_METRIC, DECISIONS_METRIC
     except ImportError:
         return None
     backend = InMemoryBackend()
     ServeMetrics("catalog", backend)
     FleetMetrics(backend)  # the fleet controller's gauges
     backend.counter(DECISIONS_METRIC, "", ("decision",))  # the request router's
+    backend.counter(CHOICES_METRIC, "", ("engine_replica",))
     return {name: metric.kind for name, metric in backend.metrics.items()}  # type: ignore[misc]
 
 
