@@ -31,9 +31,9 @@ namespace {
 
 constexpr int64_t kTile = 16;          // rows of a tile (n rows of A / C, k pairs of B)
 constexpr int64_t kTileK = 32;         // bf16 k values in one A tile row (64 bytes)
-constexpr int64_t kBlockN = 2 * kTile;  // output columns per work item (two A tiles)
-constexpr int64_t kChunkM = 2 * kTile;  // activation rows per pass (two B tiles)
-constexpr int64_t kSliceK = 256;       // k per dequantized slice when one pass covers x (32 x 256 bf16 = 16 KiB)
+constexpr int64_t kBlockN = 4 * kTile;  // output columns per work item (four A tiles)
+constexpr int64_t kChunkM = 2 * kTile;  // activation rows per pass of the 2 x 2 scheme (two B tiles)
+constexpr int64_t kBufferElems = 8192;  // bf16 dequantized per slice when one pass covers x (16 KiB: in L1)
 
 // Linux hands AMX tile state to a process only on request (arch_prctl); once per process.
 bool amx_permitted() {
@@ -124,13 +124,18 @@ void accumulate(const at::BFloat16* w, int64_t lda, const XChunk& xc, int64_t k0
   }
 }
 
-// The C tiles -> y rows m0.. (scaled, bf16); cbuf: 4 tiles of [16][16] fp32 at (2a + b) * 256.
-void store_block(float* cbuf, const float* s, int64_t M, int64_t N, int64_t n0, int64_t ntiles, int64_t m0,
-                 int64_t mtiles, at::BFloat16* y) {
+// C tiles 0-3 -> cbuf: 4 x [16][16] fp32, tile t at t * 256.
+void store_c(float* cbuf) {
   _tile_stored(0, cbuf, kTile * 4);
   _tile_stored(1, cbuf + 256, kTile * 4);
   _tile_stored(2, cbuf + 512, kTile * 4);
   _tile_stored(3, cbuf + 768, kTile * 4);
+}
+
+// The 2 x 2 scheme's C tiles -> y rows m0.. (scaled, bf16); tile (n-tile a, m-tile b) at 2a + b.
+void store_block(float* cbuf, const float* s, int64_t M, int64_t N, int64_t n0, int64_t ntiles, int64_t m0,
+                 int64_t mtiles, at::BFloat16* y) {
+  store_c(cbuf);
   for (int64_t a = 0; a < ntiles; ++a) {
     for (int64_t b = 0; b < mtiles; ++b) {
       const int64_t mb = m0 + b * kTile;
@@ -146,38 +151,70 @@ void zero_c() {
   _tile_zero(3);
 }
 
-// Prefetch `bytes` from p into L2, spread over calls: part i of parts.
-void prefetch_part(const int8_t* p, int64_t bytes, int64_t i, int64_t parts) {
-  const int64_t per = (bytes + parts - 1) / parts;
-  for (int64_t o = i * per; o < std::min(bytes, (i + 1) * per); o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+// C tile a += A(n-tile a) . B over k in [k0, k0 + len), a < ntiles <= 4, one m-tile (x has <= 16 rows): four
+// independent accumulators and one B load per four products.
+void accumulate_narrow(const at::BFloat16* w, int64_t lda, const uint32_t* b0, int64_t k0, int64_t len, int64_t ntiles) {
+  const int64_t a_stride = lda * 2, t = kTile * lda;
+  for (int64_t k = 0; k < len; k += kTileK) {
+    _tile_loadd(6, b0 + (k0 + k) / 2 * kTile, kTile * 4);
+    _tile_loadd(4, w + k, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (ntiles > 1) {
+      _tile_loadd(5, w + t + k, a_stride);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if (ntiles > 2) {
+      _tile_loadd(7, w + 2 * t + k, a_stride);
+      _tile_dpbf16ps(2, 7, 6);
+    }
+    if (ntiles > 3) {
+      _tile_loadd(4, w + 3 * t + k, a_stride);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
 }
 
-// One block of 32 output columns (two n-tiles; `ntiles` may be 1 at the end) for all M rows. `next`: the
-// weight rows of the thread's next block (prefetched while this one computes), or null.
-void block_mm(const int8_t* q, const int8_t* next, const uint32_t* xt, const float* s, int64_t M, int64_t K,
-              int64_t N, int64_t n0, int64_t ntiles, at::BFloat16* w, float* cbuf, at::BFloat16* y) {
-  const int64_t rows = ntiles * kTile, next_bytes = next ? kBlockN * K : 0;
-  if (M <= kChunkM) {  // decode: one pass over k, dequantizing slices into an L1-resident buffer
-    const XChunk xc = x_chunk(xt, M, K, 0);
-    const int64_t slices = (K + kSliceK - 1) / kSliceK;
-    zero_c();
-    for (int64_t i = 0; i < slices; ++i) {
-      const int64_t k0 = i * kSliceK, len = std::min(kSliceK, K - k0);
-      prefetch_part(next, next_bytes, i, slices);
-      for (int64_t r = 0; r < rows; ++r) dequant_row(q + r * K + k0, len, w + r * kSliceK);
-      accumulate(w, kSliceK, xc, k0, len, ntiles);
+// Dequantize `rows` weight rows in k slices that fill the buffer (kBufferElems: L1-resident) and multiply
+// each slice as it is made: x has <= 16 rows (narrow, up to 4 n-tiles) or <= 32 (2 x 2 tiles, <= 2 n-tiles).
+void sliced_mm(const int8_t* q, const uint32_t* xt, int64_t M, int64_t K, int64_t rows, at::BFloat16* w) {
+  const int64_t ntiles = rows / kTile, slice = std::max<int64_t>(kTileK, kBufferElems / rows / kTileK * kTileK);
+  const XChunk xc = x_chunk(xt, M, K, 0);
+  zero_c();
+  for (int64_t k0 = 0; k0 < K; k0 += slice) {
+    const int64_t len = std::min(slice, K - k0);
+    for (int64_t r = 0; r < rows; ++r) dequant_row(q + r * K + k0, len, w + r * slice);
+    if (M <= kTile) {
+      accumulate_narrow(w, slice, xc.b0, k0, len, ntiles);
+    } else {
+      accumulate(w, slice, xc, k0, len, ntiles);
     }
-    store_block(cbuf, s, M, N, n0, ntiles, 0, xc.mtiles, y);
+  }
+}
+
+// One block of up to 64 output columns (`ntiles` n-tiles) for all M rows.
+void block_mm(const int8_t* q, const uint32_t* xt, const float* s, int64_t M, int64_t K, int64_t N, int64_t n0,
+              int64_t ntiles, at::BFloat16* w, float* cbuf, at::BFloat16* y) {
+  if (M <= kTile) {  // decode: four n-tiles at once, one m-tile
+    sliced_mm(q, xt, M, K, ntiles * kTile, w);
+    store_c(cbuf);  // tile a: n-tile a
+    for (int64_t a = 0; a < ntiles; ++a) store_tile(cbuf + a * 256, s, 0, M, N, n0 + a * kTile, y);
     return;
   }
-  for (int64_t r = 0; r < rows; ++r) dequant_row(q + r * K, K, w + r * K);  // prefill: dequantize once, reuse per chunk
-  const int64_t chunks = (M + kChunkM - 1) / kChunkM;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const XChunk xc = x_chunk(xt, M, K, c * kChunkM);
-    prefetch_part(next, next_bytes, c, chunks);
-    zero_c();
-    accumulate(w, K, xc, 0, K, ntiles);
-    store_block(cbuf, s, M, N, n0, ntiles, c * kChunkM, xc.mtiles, y);
+  for (int64_t h = 0; h < ntiles; h += 2) {  // halves of 32 columns: 2 n-tiles x 2 m-tiles
+    const int64_t nt = std::min<int64_t>(2, ntiles - h), rows = nt * kTile, nh = n0 + h * kTile;
+    const int8_t* qh = q + h * kTile * K;
+    if (M <= kChunkM) {
+      sliced_mm(qh, xt, M, K, rows, w);
+      store_block(cbuf, s, M, N, nh, nt, 0, x_chunk(xt, M, K, 0).mtiles, y);
+      continue;
+    }
+    for (int64_t r = 0; r < rows; ++r) dequant_row(qh + r * K, K, w + r * K);  // prefill: dequantize once
+    for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
+      const XChunk xc = x_chunk(xt, M, K, m0);
+      zero_c();
+      accumulate(w, K, xc, 0, K, nt);
+      store_block(cbuf, s, M, N, nh, nt, m0, xc.mtiles, y);
+    }
   }
 }
 
@@ -197,13 +234,12 @@ at::Tensor int8_amx_mm(const at::Tensor& x, const at::Tensor& qweight, const at:
   const auto* sp = scales.data_ptr<float>();
   auto* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> w(kBlockN * (M <= kChunkM ? kSliceK : K));
+    std::vector<at::BFloat16> w(M <= kChunkM ? kBufferElems : kBlockN / 2 * K);
     alignas(64) float cbuf[4 * 256];
     configure_tiles();
     for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t n0 = nb * kBlockN, rows = std::min(kBlockN, N - n0);
-      block_mm(qp + n0 * K, nb + 1 < end ? qp + (n0 + kBlockN) * K : nullptr, xt.data(), sp, M, K, N, n0, rows / kTile,
-               w.data(), cbuf, yp);
+      const int64_t n0 = nb * kBlockN;
+      block_mm(qp + n0 * K, xt.data(), sp, M, K, N, n0, std::min(kBlockN, N - n0) / kTile, w.data(), cbuf, yp);
     }
     _tile_release();
   });
