@@ -2,8 +2,8 @@
 
 `paged_attention_op()` / `int4_amx_op()` / `int8_amx_op()` are the ops, or None when the library is not
 built or is older than its sources (the callers then use their torch-only path, and `available_reason()`
-says why). The AMX ops also need a CPU with AMX-BF16 at run time and a library compiled for it
-(int4_amx.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX);
+says why). The AMX ops also need a CPU with AMX (BF16 for INT4, INT8 for INT8) at run time and a library
+compiled for it (int4_amx.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX);
 `int4_amx_reason()` / `int8_amx_reason()` say why not."""
 from __future__ import annotations
 
@@ -47,18 +47,18 @@ def available_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
-def _amx_reason(op: str, fallback: str) -> str | None:
-    """None when `torch.ops.morphserve.<op>` can run here, else why not (logged once, naming `fallback`)."""
+def _amx_reason(op: str, flag: str, fallback: str) -> str | None:
+    """None when `torch.ops.morphserve.<op>` can run here (the CPU has `flag`), else why not (logged once)."""
     if op not in _state:
         from engine.capability import detect_capability  # /proc/cpuinfo flags, cached
         _load()
         flags = detect_capability(torch.device("cpu")).cpu_flags
         if _state["reason"]:
             _state[op] = _state["reason"]
-        elif "amx_bf16" not in flags or not torch.cpu._is_amx_tile_supported():
-            _state[op] = "this CPU has no AMX-BF16 (or the kernel has not enabled AMX tiles)"
+        elif flag not in flags or not torch.cpu._is_amx_tile_supported():
+            _state[op] = f"this CPU has no {flag.upper().replace('_', '-')} (or the kernel has not enabled AMX tiles)"
         elif not hasattr(torch.ops.morphserve, op):
-            _state[op] = f"{LIBRARY.name} was compiled without AVX512-BF16 + AMX-BF16"
+            _state[op] = f"{LIBRARY.name} was compiled without AVX512-BF16 + {flag.upper().replace('_', '-')}"
         else:
             _state[op] = None
         if _state[op]:
@@ -68,7 +68,7 @@ def _amx_reason(op: str, fallback: str) -> str | None:
 
 def int4_amx_reason() -> str | None:
     """None when `torch.ops.morphserve.int4_amx_mm` can run here, else why not."""
-    return _amx_reason("int4_amx_mm", "INT4 layers use torch's int4pack kernel")
+    return _amx_reason("int4_amx_mm", "amx_bf16", "INT4 layers use torch's int4pack kernel")
 
 
 def mkldnn_blob_reason() -> str | None:
@@ -87,7 +87,7 @@ def int4_amx_op():
 
 def int8_amx_reason() -> str | None:
     """None when `torch.ops.morphserve.int8_amx_mm` can run here, else why not."""
-    return _amx_reason("int8_amx_mm", "INT8 layers use torch's _weight_int8pack_mm")
+    return _amx_reason("int8_amx_mm", "amx_int8", "INT8 layers use torch's _weight_int8pack_mm")
 
 
 def int8_amx_op():

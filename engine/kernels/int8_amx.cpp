@@ -1,22 +1,24 @@
-// INT8 (weight-only, per-output-row scale) x bf16 linear with AMX, reading the host store's INT8 record as
-// it is: qweight int8 [N, K] row-major, scales fp32 [N]; y[m, n] = s[n] * sum_k x[m, k] * q[n, k].
+// INT8 (weight-only, per-output-row scale) x bf16 linear with AMX-INT8, reading the host store's INT8 record
+// as it is: qweight int8 [N, K] row-major, scales fp32 [N]; y[m, n] = s[n] * sum_k x[m, k] * q[n, k].
 //
-// The product is computed transposed, Y^T = Q . X^T, so the weight is AMX's A operand: a tile of A is 16
-// weight rows x 32 k, a plain row-major slab, and dequantizing is an elementwise int8 -> bf16 conversion
-// (exact: |q| <= 127 fits bf16's 8-bit significand) with no transposition of the weight. X^T is the B
-// operand in VNNI order, built once per call (a transposition of x viewed as [M, K/2] 32-bit pairs,
-// zero-padded to whole 16-row chunks). The scale multiplies the fp32 accumulator, so the only roundings
-// are AMX's fp32 accumulation and the final bf16 of y.
+// No weight is ever converted: the int8 rows are AMX's A operand straight from memory (a tile is 16 weight
+// rows x 64 k). The activations are what gets converted, once per call and M x K small: each row of x
+// becomes v = round(x / xs[m]) with |v| <= 32512 (16-bit fixed point against the row's largest value) and
+// v is split exactly into two int8 halves, v = 256 * hi + lo. Two TDPBSSD products (int8 x int8 -> int32,
+// exact) give sum_k q * hi and sum_k q * lo, combined in fp32:
 //
-//   C tile [16 n x 16 m] fp32  +=  A [16 n x 32 k] bf16  .  B [16 k-pairs x 16 m x 2] bf16
+//   y[m, n] = (256 * C_hi[n][m] + C_lo[n][m]) * xs[m] * s[n]
 //
-// Threads split the output columns in blocks of 32 (two A tiles); each block is dequantized once into a
-// per-thread buffer ([32][K] bf16, transient workspace, part of the activation reserve) and multiplied
-// with every 32-row chunk of x (2 x 2 C tiles). Each output row depends only on its own input row: the k
-// order is fixed and padding rows are zeros, so the op is row-invariant.
-// Compiled only where the compiler targets AVX512-BF16 + AMX-BF16 (-march=native); elsewhere the op is
-// not registered and Int8Linear keeps torch's _weight_int8pack_mm.
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// So the one approximation beyond bf16 output rounding is x on a 16-bit grid per row (an error of at most
+// max|x[m]| / 65024 per element, below bf16's own rounding of x for every element above 1/128 of the row
+// maximum); tests/test_int8_amx.py checks it against the exact product and the model's perplexity.
+// The product is computed transposed (C = Q . X^T): B tiles are x's halves in VNNI order ([K/4][16] of
+// 4-byte groups), built once per call, zero-padded to whole 16-row chunks. Threads split the output
+// columns in blocks of 32 (two A tiles; C tiles: hi and lo for each). Each output row depends only on its
+// own input row (its own scale, fixed k order), so the op is row-invariant.
+// Compiled only where the compiler targets AVX512-BF16 + AMX-INT8 (-march=native); elsewhere the op is not
+// registered and Int8Linear keeps torch's _weight_int8pack_mm.
+#if defined(__AVX512BF16__) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,16 +26,14 @@
 #include <torch/library.h>
 #include <unistd.h>
 
-#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kTile = 16;          // rows of a tile (n rows of A / C, k pairs of B)
-constexpr int64_t kTileK = 32;         // bf16 k values in one A tile row (64 bytes)
-constexpr int64_t kBlockN = 4 * kTile;  // output columns per work item (four A tiles)
-constexpr int64_t kChunkM = 2 * kTile;  // activation rows per pass of the 2 x 2 scheme (two B tiles)
-constexpr int64_t kBufferElems = 8192;  // bf16 dequantized per slice when one pass covers x (16 KiB: in L1)
+constexpr int64_t kTile = 16;           // rows of a tile (n rows of A / C, k quads of B)
+constexpr int64_t kTileK = 64;          // int8 k values in one A tile row (64 bytes)
+constexpr int64_t kBlockN = 2 * kTile;  // output columns per work item (two A tiles)
+constexpr int32_t kXMax = 32512;        // |v| <= 32512 keeps hi = (v + 128) >> 8 within int8
 
 // Linux hands AMX tile state to a process only on request (arch_prctl); once per process.
 bool amx_permitted() {
@@ -48,7 +48,7 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: C (n-tile a, m-tile b) at 2a + b; 4, 5: A (two n-tiles); 6, 7: B (two m-tiles). All 16 x 64 B.
+// Tiles 0-3: C (n-tile a: hi at 2a, lo at 2a + 1); 4, 5: A (two n-tiles); 6, 7: B (hi, lo). All 16 x 64 B.
 void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -58,162 +58,88 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// x [M, K] bf16 -> VNNI B operand [ceil(M/16)][K/2][16] of 32-bit (x[m, 2i], x[m, 2i + 1]) pairs, zero rows
-// past M.
-std::vector<uint32_t> transpose_x(const at::BFloat16* x, int64_t M, int64_t K) {
-  const int64_t pairs = K / 2, chunks = (M + kTile - 1) / kTile;
-  std::vector<uint32_t> xt(chunks * pairs * kTile, 0u);
-  for (int64_t m = 0; m < M; ++m) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(x + m * K);
-    uint32_t* dst = xt.data() + (m / kTile) * pairs * kTile + (m % kTile);
-    for (int64_t i = 0; i < pairs; ++i) dst[i * kTile] = row[i];
-  }
-  return xt;
+__m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> fp32 (exact: bf16 is fp32's top half)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// len int8 codes -> bf16 (the codes themselves, exact); len % 32 == 0.
-void dequant_row(const int8_t* src, int64_t len, at::BFloat16* dst) {
-  for (int64_t k = 0; k < len; k += 32) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 16))));
-    _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+// One row of x -> v = round(x / xs) in [-kXMax, kXMax] as 256 * hi + lo (int8 each, exact); returns xs.
+float split_row(const at::BFloat16* x, int64_t K, int8_t* hi, int8_t* lo) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16(x + k)));
+  const float top = _mm512_reduce_max_ps(amax);
+  const float xs = top > 0.0f ? top / kXMax : 1.0f;
+  const __m512 inv = _mm512_set1_ps(1.0f / xs);
+  const __m512i vmax = _mm512_set1_epi32(kXMax), vmin = _mm512_set1_epi32(-kXMax), half = _mm512_set1_epi32(128);
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(x + k), inv));  // round to nearest
+    v = _mm512_max_epi32(_mm512_min_epi32(v, vmax), vmin);                // x / xs may round past kXMax
+    const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v, half), 8);     // floor((v + 128) / 256)
+    const __m512i l = _mm512_sub_epi32(v, _mm512_slli_epi32(h, 8));        // in [-128, 127]
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtepi32_epi8(l));
   }
+  return xs;
 }
 
-// C tile (n-tile rows, m columns) -> y[m, n0 + i] = bf16(C[i][m] * s[n0 + i]) for the rows that exist.
-void store_tile(const float* c, const float* s, int64_t m0, int64_t mrows, int64_t N, int64_t n0, at::BFloat16* y) {
-  const __m512 scale = _mm512_loadu_ps(s + n0);
-  const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                         _mm512_set1_epi32(kTile));
-  for (int64_t m = 0; m < mrows; ++m) {
-    const __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(col, c + m, 4), scale);  // column m of C
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * N + n0), (__m256i)_mm512_cvtneps_pbh(v));
-  }
-}
-
-// The B tiles of the 32-row chunk of x at m0 (the second one unused past M).
-struct XChunk {
-  const uint32_t* b0;
-  const uint32_t* b1;
-  int64_t mtiles;
+// x [M, K] -> B operands: hi and lo as [ceil(M/16)][K/4][16] 4-byte groups (zero rows past M), row scales.
+struct SplitX {
+  std::vector<uint32_t> hi, lo;
+  std::vector<float> scale;
 };
 
-XChunk x_chunk(const uint32_t* xt, int64_t M, int64_t K, int64_t m0) {
-  const int64_t pairs = K / 2;
-  const uint32_t* b0 = xt + (m0 / kTile) * pairs * kTile;
-  return {b0, b0 + pairs * kTile, std::min<int64_t>(2, (M - m0 + kTile - 1) / kTile)};
-}
-
-// C += A . B over k in [k0, k0 + len): A = dequantized rows w (row stride lda bf16, column 0 = k0).
-void accumulate(const at::BFloat16* w, int64_t lda, const XChunk& xc, int64_t k0, int64_t len, int64_t ntiles) {
-  const int64_t b_stride = kTile * 4;
-  for (int64_t k = 0; k < len; k += kTileK) {
-    const int64_t kp = (k0 + k) / 2;
-    _tile_loadd(6, xc.b0 + kp * kTile, b_stride);
-    _tile_loadd(4, w + k, lda * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    if (ntiles > 1) {
-      _tile_loadd(5, w + kTile * lda + k, lda * 2);
-      _tile_dpbf16ps(2, 5, 6);
-    }
-    if (xc.mtiles > 1) {
-      _tile_loadd(7, xc.b1 + kp * kTile, b_stride);
-      _tile_dpbf16ps(1, 4, 7);
-      if (ntiles > 1) _tile_dpbf16ps(3, 5, 7);
+SplitX split_x(const at::BFloat16* x, int64_t M, int64_t K) {
+  const int64_t quads = K / 4, chunks = (M + kTile - 1) / kTile;
+  SplitX out{std::vector<uint32_t>(chunks * quads * kTile, 0u), std::vector<uint32_t>(chunks * quads * kTile, 0u),
+             std::vector<float>(M)};
+  std::vector<uint32_t> hi_row(quads), lo_row(quads);
+  for (int64_t m = 0; m < M; ++m) {
+    out.scale[m] = split_row(x + m * K, K, reinterpret_cast<int8_t*>(hi_row.data()), reinterpret_cast<int8_t*>(lo_row.data()));
+    const int64_t base = (m / kTile) * quads * kTile + m % kTile;
+    for (int64_t i = 0; i < quads; ++i) {
+      out.hi[base + i * kTile] = hi_row[i];
+      out.lo[base + i * kTile] = lo_row[i];
     }
   }
+  return out;
 }
 
-// C tiles 0-3 -> cbuf: 4 x [16][16] fp32, tile t at t * 256.
-void store_c(float* cbuf) {
-  _tile_stored(0, cbuf, kTile * 4);
-  _tile_stored(1, cbuf + 256, kTile * 4);
-  _tile_stored(2, cbuf + 512, kTile * 4);
-  _tile_stored(3, cbuf + 768, kTile * 4);
-}
-
-// The 2 x 2 scheme's C tiles -> y rows m0.. (scaled, bf16); tile (n-tile a, m-tile b) at 2a + b.
-void store_block(float* cbuf, const float* s, int64_t M, int64_t N, int64_t n0, int64_t ntiles, int64_t m0,
-                 int64_t mtiles, at::BFloat16* y) {
-  store_c(cbuf);
-  for (int64_t a = 0; a < ntiles; ++a) {
-    for (int64_t b = 0; b < mtiles; ++b) {
-      const int64_t mb = m0 + b * kTile;
-      store_tile(cbuf + (2 * a + b) * 256, s, mb, std::min<int64_t>(kTile, M - mb), N, n0 + a * kTile, y);
-    }
-  }
-}
-
-void zero_c() {
+// One 16-row chunk of x against one block of 32 (or 16: ntiles = 1) weight rows, over all of K.
+void accumulate(const int8_t* q, const uint32_t* hi, const uint32_t* lo, int64_t K, int64_t ntiles) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-}
-
-// C tile a += A(n-tile a) . B over k in [k0, k0 + len), a < ntiles <= 4, one m-tile (x has <= 16 rows): four
-// independent accumulators and one B load per four products.
-void accumulate_narrow(const at::BFloat16* w, int64_t lda, const uint32_t* b0, int64_t k0, int64_t len, int64_t ntiles) {
-  const int64_t a_stride = lda * 2, t = kTile * lda;
-  for (int64_t k = 0; k < len; k += kTileK) {
-    _tile_loadd(6, b0 + (k0 + k) / 2 * kTile, kTile * 4);
-    _tile_loadd(4, w + k, a_stride);
-    _tile_dpbf16ps(0, 4, 6);
+  for (int64_t k = 0; k < K; k += kTileK) {
+    _tile_loadd(6, hi + k / 4 * kTile, kTile * 4);
+    _tile_loadd(7, lo + k / 4 * kTile, kTile * 4);
+    _tile_loadd(4, q + k, K);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
     if (ntiles > 1) {
-      _tile_loadd(5, w + t + k, a_stride);
-      _tile_dpbf16ps(1, 5, 6);
-    }
-    if (ntiles > 2) {
-      _tile_loadd(7, w + 2 * t + k, a_stride);
-      _tile_dpbf16ps(2, 7, 6);
-    }
-    if (ntiles > 3) {
-      _tile_loadd(4, w + 3 * t + k, a_stride);
-      _tile_dpbf16ps(3, 4, 6);
+      _tile_loadd(5, q + kTile * K + k, K);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
     }
   }
 }
 
-// Dequantize `rows` weight rows in k slices that fill the buffer (kBufferElems: L1-resident) and multiply
-// each slice as it is made: x has <= 16 rows (narrow, up to 4 n-tiles) or <= 32 (2 x 2 tiles, <= 2 n-tiles).
-void sliced_mm(const int8_t* q, const uint32_t* xt, int64_t M, int64_t K, int64_t rows, at::BFloat16* w) {
-  const int64_t ntiles = rows / kTile, slice = std::max<int64_t>(kTileK, kBufferElems / rows / kTileK * kTileK);
-  const XChunk xc = x_chunk(xt, M, K, 0);
-  zero_c();
-  for (int64_t k0 = 0; k0 < K; k0 += slice) {
-    const int64_t len = std::min(slice, K - k0);
-    for (int64_t r = 0; r < rows; ++r) dequant_row(q + r * K + k0, len, w + r * slice);
-    if (M <= kTile) {
-      accumulate_narrow(w, slice, xc.b0, k0, len, ntiles);
-    } else {
-      accumulate(w, slice, xc, k0, len, ntiles);
-    }
-  }
-}
-
-// One block of up to 64 output columns (`ntiles` n-tiles) for all M rows.
-void block_mm(const int8_t* q, const uint32_t* xt, const float* s, int64_t M, int64_t K, int64_t N, int64_t n0,
-              int64_t ntiles, at::BFloat16* w, float* cbuf, at::BFloat16* y) {
-  if (M <= kTile) {  // decode: four n-tiles at once, one m-tile
-    sliced_mm(q, xt, M, K, ntiles * kTile, w);
-    store_c(cbuf);  // tile a: n-tile a
-    for (int64_t a = 0; a < ntiles; ++a) store_tile(cbuf + a * 256, s, 0, M, N, n0 + a * kTile, y);
-    return;
-  }
-  for (int64_t h = 0; h < ntiles; h += 2) {  // halves of 32 columns: 2 n-tiles x 2 m-tiles
-    const int64_t nt = std::min<int64_t>(2, ntiles - h), rows = nt * kTile, nh = n0 + h * kTile;
-    const int8_t* qh = q + h * kTile * K;
-    if (M <= kChunkM) {
-      sliced_mm(qh, xt, M, K, rows, w);
-      store_block(cbuf, s, M, N, nh, nt, 0, x_chunk(xt, M, K, 0).mtiles, y);
-      continue;
-    }
-    for (int64_t r = 0; r < rows; ++r) dequant_row(qh + r * K, K, w + r * K);  // prefill: dequantize once
-    for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
-      const XChunk xc = x_chunk(xt, M, K, m0);
-      zero_c();
-      accumulate(w, K, xc, 0, K, nt);
-      store_block(cbuf, s, M, N, nh, nt, m0, xc.mtiles, y);
+// C tiles -> y rows m0 .. m0 + mrows: (256 hi + lo) * xs[m] * s[n], bf16.
+void store_chunk(const float* xs, const float* s, int64_t m0, int64_t mrows, int64_t N, int64_t n0, int64_t ntiles,
+                 at::BFloat16* y) {
+  alignas(64) int32_t c[4][kTile * kTile];
+  _tile_stored(0, c[0], kTile * 4);
+  _tile_stored(1, c[1], kTile * 4);
+  _tile_stored(2, c[2], kTile * 4);
+  _tile_stored(3, c[3], kTile * 4);
+  const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(kTile));  // C[i][m] sits at i * 16 + m
+  for (int64_t a = 0; a < ntiles; ++a) {
+    const __m512 scale = _mm512_loadu_ps(s + n0 + a * kTile);
+    for (int64_t m = 0; m < mrows; ++m) {
+      const __m512 h = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(col, c[2 * a] + m, 4));
+      const __m512 l = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(col, c[2 * a + 1] + m, 4));
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_fmadd_ps(h, _mm512_set1_ps(256.0f), l), _mm512_set1_ps(xs[m0 + m])), scale);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * N + n0 + a * kTile), (__m256i)_mm512_cvtneps_pbh(v));
     }
   }
 }
@@ -224,22 +150,24 @@ at::Tensor int8_amx_mm(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == K, "x has ", K, " columns, the weight ", qweight.size(1));
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales must be contiguous fp32 [N]");
-  TORCH_CHECK(N % kTile == 0 && K % kTileK == 0, "int8_amx_mm needs N % 16 == 0 and K % 32 == 0, got N=", N, " K=", K);
+  TORCH_CHECK(N % kTile == 0 && K % kTileK == 0, "int8_amx_mm needs N % 16 == 0 and K % 64 == 0, got N=", N, " K=", K);
   TORCH_CHECK(amx_permitted(), "the kernel did not grant AMX tile state (arch_prctl)");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   auto xc = x.contiguous();
-  const std::vector<uint32_t> xt = transpose_x(xc.data_ptr<at::BFloat16>(), M, K);
+  const SplitX sx = split_x(xc.data_ptr<at::BFloat16>(), M, K);
+  const int64_t chunk_elems = K / 4 * kTile;
   const auto* qp = qweight.data_ptr<int8_t>();
   const auto* sp = scales.data_ptr<float>();
   auto* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> w(M <= kChunkM ? kBufferElems : kBlockN / 2 * K);
-    alignas(64) float cbuf[4 * 256];
     configure_tiles();
     for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t n0 = nb * kBlockN;
-      block_mm(qp + n0 * K, xt.data(), sp, M, K, N, n0, std::min(kBlockN, N - n0) / kTile, w.data(), cbuf, yp);
+      const int64_t n0 = nb * kBlockN, ntiles = std::min(kBlockN, N - n0) / kTile;
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {  // the block's weight rows stay in cache across chunks
+        accumulate(qp + n0 * K, sx.hi.data() + m0 / kTile * chunk_elems, sx.lo.data() + m0 / kTile * chunk_elems, K, ntiles);
+        store_chunk(sx.scale.data(), sp, m0, std::min(kTile, M - m0), N, n0, ntiles, yp);
+      }
     }
     _tile_release();
   });
@@ -250,4 +178,4 @@ at::Tensor int8_amx_mm(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) { m.def("int8_amx_mm(Tensor x, Tensor qweight, Tensor scales) -> Tensor"); }
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("int8_amx_mm", &int8_amx_mm); }
-#endif  // AVX512-BF16 + AMX-BF16
+#endif  // AVX512-BF16 + AMX-INT8

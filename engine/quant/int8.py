@@ -10,11 +10,11 @@ kernel path always computes in bf16 and returns the caller's dtype; the dequanti
 on this device) computes in the caller's dtype.
 
 From a few rows up torch's kernel is 2-3x slower than the packed bf16 linear (no AMX path), so from
-`int8_amx_min_rows` rows (EngineConfig.int8_amx_min_rows) eligible CPU weights go to the engine's AMX op
-(engine/kernels/int8_amx.cpp: the same int8 codes and fp32 scales, no relayout). Both are row-invariant
-but round differently (the AMX op scales the fp32 accumulator, torch's kernel works in bf16), so a
-request's INT8 outputs can differ with the step's row count across the threshold; 1 = exact batch
-invariance for INT8 layers.
+`int8_amx_min_rows` rows (EngineConfig.int8_amx_min_rows, default 1: always) eligible CPU weights go to the
+engine's AMX-INT8 op (engine/kernels/int8_amx.cpp: the same int8 codes and fp32 scales, no relayout; the
+activations on a 16-bit grid per row, split exactly into two int8 halves). Both are row-invariant but
+round differently, so with a threshold above 1 a request's INT8 outputs can differ with the step's row
+count across it; at 1 INT8 layers are exactly batch-invariant.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def quantize_int8(weight: Tensor) -> Int8Weight:
     return Int8Weight(qweight=qweight, scales=scales)
 
 
-_AMX_N, _AMX_K = 16, 32  # the AMX op's tile multiples (output rows, input columns)
+_AMX_N, _AMX_K = 16, 64  # the AMX op's tile multiples (output rows, input columns)
 # Rows from which eligible CPU INT8 matmuls use the AMX op; None = never. Process-wide like torch's thread
 # count: the engine sets it from EngineConfig.int8_amx_min_rows when it builds (engine_builder.py).
 _dispatch: dict[str, int | None] = {"amx_min_rows": None}
