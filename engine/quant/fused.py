@@ -93,8 +93,9 @@ def fuse_quantized(linears: Sequence[nn.Module]) -> FusedQuantized | None:
     if type(linears[0]) is Int8Linear:
         if not all(lin.use_kernel for lin in linears):
             return None
-        fused = FusedQuantized("int8", _cat([l.qweight for l in linears], 0),
-                               _cat([l.scales for l in linears], 0), bias, k, n, amx=all(l.amx for l in linears))
+        weight, scales = _cat([l.qweight for l in linears], 0), _cat([l.scales for l in linears], 0)
+        amx = all(l.amx for l in linears) and weight.is_contiguous() and scales.is_contiguous()  # the op reads rows flat
+        fused = FusedQuantized("int8", weight, scales, bias, k, n, amx=amx)
         _repoint(linears, fused, "qweight")
         return fused
     if (any(l.backend != "cpu" or l.layout != linears[0].layout or l.group_size != linears[0].group_size
