@@ -50,6 +50,7 @@ class EngineConfig(BaseModel):
     morph_ladder: tuple[str, ...] = Field(("int8", "int4"), description="lower rungs a layer can be swapped to, in order")
     int4_group_size: int = Field(128, description="INT4 group size; falls back to 64/32 where a layer's input size needs it")
     int4_amx_min_rows: int | None = Field(8, ge=1, description="CPU INT4 linears with at least this many rows in a step use the engine's AMX kernel (engine/kernels/int4_amx.cpp; where built and the CPU has AMX-BF16), fewer use torch's int4pack kernel; None = never. The two round differently, so a request's output can depend on the step's row count across it; 1 = exact batch invariance for INT4 layers (slower at batch 1-4)")
+    int8_amx_min_rows: int | None = Field(1, ge=1, description="CPU INT8 linears with at least this many rows in a step use the engine's AMX-INT8 kernel (engine/kernels/int8_amx.cpp; where built and the CPU has AMX-INT8), fewer use torch's _weight_int8pack_mm; None = never. The two round differently, so above 1 a request's output can depend on the step's row count across it; 1 (default: the AMX kernel is as fast as torch's at one row) = exact batch invariance for INT8 layers")
     enable_morphing: bool = True
     profile: str | None = Field(None, description="layer-importance profile JSON; default: the prepared model's, else front-to-back")
     int4_checkpoint: str | None = Field(None, description="AutoAWQ GEMM / compressed-tensors pack-quantized folder to take the INT4 variant from; default: the project's own AWQ")

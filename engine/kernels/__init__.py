@@ -1,9 +1,10 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` / `int4_amx_op()` are the ops, or None when the library is not built or is older
-than its sources (the callers then use their torch-only path, and `available_reason()` says why). The
-INT4 AMX op also needs a CPU with AMX-BF16 at run time and a library compiled for it (int4_amx.cpp is
-empty where the compiler does not target AVX512-BF16 + AMX); `int4_amx_reason()` says why not."""
+`paged_attention_op()` / `int4_amx_op()` / `int8_amx_op()` are the ops, or None when the library is not
+built or is older than its sources (the callers then use their torch-only path, and `available_reason()`
+says why). The AMX ops also need a CPU with AMX (BF16 for INT4, INT8 for INT8) at run time and a library
+compiled for it (int4_amx.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX);
+`int4_amx_reason()` / `int8_amx_reason()` say why not."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp")
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}
@@ -46,23 +47,28 @@ def available_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
-def int4_amx_reason() -> str | None:
-    """None when `torch.ops.morphserve.int4_amx_mm` can run here, else why not (logged once)."""
-    if "int4_amx" not in _state:
+def _amx_reason(op: str, flag: str, fallback: str) -> str | None:
+    """None when `torch.ops.morphserve.<op>` can run here (the CPU has `flag`), else why not (logged once)."""
+    if op not in _state:
         from engine.capability import detect_capability  # /proc/cpuinfo flags, cached
         _load()
         flags = detect_capability(torch.device("cpu")).cpu_flags
         if _state["reason"]:
-            _state["int4_amx"] = _state["reason"]
-        elif "amx_bf16" not in flags or not torch.cpu._is_amx_tile_supported():
-            _state["int4_amx"] = "this CPU has no AMX-BF16 (or the kernel has not enabled AMX tiles)"
-        elif not hasattr(torch.ops.morphserve, "int4_amx_mm"):
-            _state["int4_amx"] = f"{LIBRARY.name} was compiled without AVX512-BF16 + AMX-BF16"
+            _state[op] = _state["reason"]
+        elif flag not in flags or not torch.cpu._is_amx_tile_supported():
+            _state[op] = f"this CPU has no {flag.upper().replace('_', '-')} (or the kernel has not enabled AMX tiles)"
+        elif not hasattr(torch.ops.morphserve, op):
+            _state[op] = f"{LIBRARY.name} was compiled without AVX512-BF16 + {flag.upper().replace('_', '-')}"
         else:
-            _state["int4_amx"] = None
-        if _state["int4_amx"]:
-            logger.info("INT4 AMX kernel unavailable (%s); INT4 layers use torch's int4pack kernel", _state["int4_amx"])
-    return _state["int4_amx"]  # type: ignore[return-value]
+            _state[op] = None
+        if _state[op]:
+            logger.info("%s unavailable (%s); %s", op, _state[op], fallback)
+    return _state[op]  # type: ignore[return-value]
+
+
+def int4_amx_reason() -> str | None:
+    """None when `torch.ops.morphserve.int4_amx_mm` can run here, else why not."""
+    return _amx_reason("int4_amx_mm", "amx_bf16", "INT4 layers use torch's int4pack kernel")
 
 
 def mkldnn_blob_reason() -> str | None:
@@ -77,3 +83,12 @@ def mkldnn_blob_reason() -> str | None:
 
 def int4_amx_op():
     return None if int4_amx_reason() else torch.ops.morphserve.int4_amx_mm
+
+
+def int8_amx_reason() -> str | None:
+    """None when `torch.ops.morphserve.int8_amx_mm` can run here, else why not."""
+    return _amx_reason("int8_amx_mm", "amx_int8", "INT8 layers use torch's _weight_int8pack_mm")
+
+
+def int8_amx_op():
+    return None if int8_amx_reason() else torch.ops.morphserve.int8_amx_mm

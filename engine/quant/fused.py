@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from engine.layers.linear import fuse_rows
 from engine.quant.int4 import Int4Linear
 from engine.quant.int4_kernel import kernel_mm
-from engine.quant.int8 import KERNEL_DTYPE, Int8Linear
+from engine.quant.int8 import KERNEL_DTYPE, Int8Linear, int8_mm
 
 _INT4_ROW_BLOCK = 64  # output rows per packed block on AVX512 (AVX2: 32): members must end on a block
 
@@ -32,12 +32,12 @@ class FusedQuantized:
                  out_features: int, group_size: int = 0, amx: bool = False):
         self.kind, self.weight, self.scales, self.bias = kind, weight, scales, bias
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.amx = amx  # INT4: the AMX op may read the fused bytes (int4_kernel.amx_eligible)
+        self.amx = amx  # the AMX op may read the fused bytes (int4_kernel.amx_eligible / int8.int8_amx_eligible)
 
     def __call__(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        if self.kind == "int8":  # scales stay fp32 (the members' own storage); n values cast per call
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales.to(KERNEL_DTYPE))
+        if self.kind == "int8":  # scales stay fp32 (the members' own storage)
+            y = int8_mm(x2, self.weight, self.scales, self.amx)
         else:
             y = kernel_mm(x2, self.weight, self.group_size, self.scales, self.amx)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -93,8 +93,9 @@ def fuse_quantized(linears: Sequence[nn.Module]) -> FusedQuantized | None:
     if type(linears[0]) is Int8Linear:
         if not all(lin.use_kernel for lin in linears):
             return None
-        fused = FusedQuantized("int8", _cat([l.qweight for l in linears], 0),
-                               _cat([l.scales for l in linears], 0), bias, k, n)
+        weight, scales = _cat([l.qweight for l in linears], 0), _cat([l.scales for l in linears], 0)
+        amx = all(l.amx for l in linears) and weight.is_contiguous() and scales.is_contiguous()  # the op reads rows flat
+        fused = FusedQuantized("int8", weight, scales, bias, k, n, amx=amx)
         _repoint(linears, fused, "qweight")
         return fused
     if (any(l.backend != "cpu" or l.layout != linears[0].layout or l.group_size != linears[0].group_size

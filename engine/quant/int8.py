@@ -8,6 +8,13 @@ with fp32 activations it takes 6.3 ms (batch 16: 57 ms), and dequantize + F.line
 while casting the activations to bf16, running the kernel and casting back takes 0.22 ms. So the
 kernel path always computes in bf16 and returns the caller's dtype; the dequantize path (no kernel
 on this device) computes in the caller's dtype.
+
+From a few rows up torch's kernel is 2-3x slower than the packed bf16 linear (no AMX path), so from
+`int8_amx_min_rows` rows (EngineConfig.int8_amx_min_rows, default 1: always) eligible CPU weights go to the
+engine's AMX-INT8 op (engine/kernels/int8_amx.cpp: the same int8 codes and fp32 scales, no relayout; the
+activations on a 16-bit grid per row, split exactly into two int8 halves). Both are row-invariant but
+round differently, so with a threshold above 1 a request's INT8 outputs can differ with the step's row
+count across it; at 1 INT8 layers are exactly batch-invariant.
 """
 from __future__ import annotations
 
@@ -75,6 +82,36 @@ def quantize_int8(weight: Tensor) -> Int8Weight:
     return Int8Weight(qweight=qweight, scales=scales)
 
 
+_AMX_N, _AMX_K = 16, 64  # the AMX op's tile multiples (output rows, input columns)
+# Rows from which eligible CPU INT8 matmuls use the AMX op; None = never. Process-wide like torch's thread
+# count: the engine sets it from EngineConfig.int8_amx_min_rows when it builds (engine_builder.py).
+_dispatch: dict[str, int | None] = {"amx_min_rows": None}
+
+
+def set_int8_amx_min_rows(rows: int | None) -> None:
+    _dispatch["amx_min_rows"] = rows
+
+
+def int8_amx_min_rows() -> int | None:
+    return _dispatch["amx_min_rows"]
+
+
+def int8_amx_eligible(qweight: Tensor) -> bool:
+    """Whether the AMX op can read this [out, in] weight: on CPU, tile-multiple shape, the op built and usable
+    here (engine.kernels.int8_amx_reason says why not)."""
+    from engine.kernels import int8_amx_op  # lazy: quantizing needs no compiled library
+    n, k = qweight.shape
+    return qweight.device.type == "cpu" and n % _AMX_N == 0 and k % _AMX_K == 0 and int8_amx_op() is not None
+
+
+def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, amx: bool = False) -> Tensor:
+    """x [rows, in] bf16 -> [rows, out] bf16 with fp32 per-row `scales`. `amx`: the weight is `int8_amx_eligible`."""
+    threshold = _dispatch["amx_min_rows"]
+    if amx and threshold is not None and x.shape[0] >= threshold:
+        return torch.ops.morphserve.int8_amx_mm(x, qweight, scales)
+    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales.to(KERNEL_DTYPE))
+
+
 _KERNEL_WORKS: dict[str, bool] = {}
 
 
@@ -119,6 +156,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", weight.scales.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.use_kernel = _int8_kernel_available(self.qweight.device)
+        self.amx = self.use_kernel and int8_amx_eligible(self.qweight)  # AMX op from int8_amx_min_rows rows
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.bias) if t is not None)
@@ -131,8 +169,7 @@ class Int8Linear(nn.Module):
         if self.use_kernel:
             # x: [..., in] -> [tokens, in] in bf16; y: [tokens, out]
             x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales.to(KERNEL_DTYPE))
-            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = int8_mm(x2, self.qweight, self.scales, self.amx).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         else:
             y = F.linear(x, (self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None]))
         if self.bias is not None:

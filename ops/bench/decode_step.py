@@ -1,15 +1,17 @@
-"""Decode step time with 0, 15 and 30 layers in INT4 (full-precision model, dtype=auto by default), batch 1 and 16, side by side.
+"""Decode step time with 0, 15 and 30 layers quantized (INT4 and/or INT8; full-precision model, dtype=auto by default), batch 1 and 16, side by side.
 
 One decode step = every sequence of the batch decodes one token at position `--context` through the
 real ModelRunner and paged KV storage (the KV holds zeros: attention costs the same whatever it
-holds). Layers are switched to INT4 in the LIS swap order (the committed profile; front-to-back
-without one), RTN INT4 (the same packed kernel as AWQ, so the same speed). On a shared machine the
+holds). Layers are switched to the `--rung` (int4, int8, or both, interleaved) in the LIS swap order (the
+committed profile; front-to-back without one), RTN (INT4: the same packed kernel as AWQ, so the same speed). On a shared machine the
 configurations are interleaved round by round, so load drift hits them alike; each round times
 `--steps` consecutive steps, and the reported figure is the median over rounds of the mean step time.
 `--int4-amx-min-rows never 8` interleaves INT4 kernel dispatch settings (EngineConfig.int4_amx_min_rows:
-torch's int4pack kernel only vs the AMX op from 8 rows up) in the same rounds.
+torch's int4pack kernel only vs the AMX op from 8 rows up) in the same rounds; `--int8-amx-min-rows` sets
+the INT8 threshold (EngineConfig.int8_amx_min_rows; 'never' = torch's _weight_int8pack_mm only).
 
     python -m ops.bench.decode_step --model default --out decode_step.json
+    python -m ops.bench.decode_step --rung int8 int4 --threads 1 --clock cpu   # both rungs, one run
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ from engine.morph.profiler import LayerSwitch
 from engine.quant.awq import LayerWeights
 from engine.capability import detect_capability
 from engine.config import EngineConfig
-from engine.kernels import int4_amx_reason
+from engine.kernels import int4_amx_reason, int8_amx_reason
 from engine.quant.int4_kernel import set_amx_min_rows
+from engine.quant.int8 import set_int8_amx_min_rows
 from engine.precision import Precision, resolve_dtype
 from engine.quant.awq import quantize_layer_rtn
 
@@ -72,34 +75,41 @@ def time_steps(runner: ModelRunner, step: SchedulerOutput, steps: int, clock=tim
     return (clock() - start) / steps
 
 
-def bench(model: Transformer, switch: LayerSwitch, order: Sequence[int], counts: Sequence[int],
+def configurations(rungs: Sequence[str], counts: Sequence[int]) -> list[tuple[str, int]]:
+    """(rung, quantized layers) to time: 0 layers (full precision) once, under the first rung's name."""
+    return [(r, n) for i, r in enumerate(rungs) for n in counts if n or i == 0]
+
+
+def bench(model: Transformer, switches: dict[str, LayerSwitch], order: Sequence[int], counts: Sequence[int],
           batches: Sequence[int], context: int, rounds: int, steps: int,
           clock=time.perf_counter, attention: Sequence[str] = ("auto",),
           amx_min_rows: Sequence[int | None] = (None,)) -> dict[str, dict[str, float]]:
-    """{"batch=<b>": {"int4=<n>": median seconds per step}} over interleaved rounds (one warm-up round);
-    with several attention routes the keys are "int4=<n> attention=<route>", with several INT4 dispatch
-    thresholds "... amx=<rows|never>", all interleaved."""
+    """{"batch=<b>": {"<rung>=<n>": median seconds per step}} over interleaved rounds (one warm-up round);
+    `switches`: rung -> its LayerSwitch ("int4=0" or "int8=0" is full precision); with several attention
+    routes the keys are "<rung>=<n> attention=<route>", with several INT4 dispatch thresholds
+    "... amx=<rows|never>", all interleaved."""
     runners = {(b, a): (make_runner(model, b, context, a), decode_batch(b, context, model.config.vocab_size))
                for b in batches for a in attention}
-    samples: dict[tuple, list[float]] = {(b, a, n, m): [] for b, a in runners for n in counts for m in amx_min_rows}
+    configs = configurations(list(switches), counts)
+    samples: dict[tuple, list[float]] = {(b, a, c, m): [] for b, a in runners for c in configs for m in amx_min_rows}
     for r in range(rounds + 1):
-        for n in counts:
+        for rung, n in configs:
             for i in order[:n]:
-                switch.quantize(i)
+                switches[rung].quantize(i)
             try:
                 for m in amx_min_rows:
                     set_amx_min_rows(m)
                     for (b, a), (runner, step) in runners.items():
                         t = time_steps(runner, step, steps, clock)
                         if r > 0:  # round 0 warms caches and the kernels' packing paths
-                            samples[(b, a, n, m)].append(t)
+                            samples[(b, a, (rung, n), m)].append(t)
             finally:
                 for i in order[:n]:
-                    switch.restore(i)
+                    switches[rung].restore(i)
     suffix = (lambda a: f" attention={a}") if len(attention) > 1 else (lambda a: "")
     amx = (lambda m: f" amx={'never' if m is None else m}") if len(amx_min_rows) > 1 else (lambda m: "")
-    return {f"batch={b}": {f"int4={n}{suffix(a)}{amx(m)}": statistics.median(samples[(b, a, n, m)])
-                           for a in attention for n in counts for m in amx_min_rows} for b in batches}
+    return {f"batch={b}": {f"{c[0]}={c[1]}{suffix(a)}{amx(m)}": statistics.median(samples[(b, a, c, m)])
+                           for a in attention for c in configs for m in amx_min_rows} for b in batches}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -121,26 +131,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--int4-amx-min-rows", nargs="+", default=[str(EngineConfig.model_fields["int4_amx_min_rows"].default)],
                     help="INT4 dispatch threshold(s) (EngineConfig.int4_amx_min_rows; 'never' = torch's kernel only); "
                          "several are interleaved, e.g. never 8")
+    ap.add_argument("--rung", nargs="+", default=["int4"], choices=["int4", "int8"],
+                    help="quantized rung(s) the layers switch to; several are interleaved, e.g. --rung int8 int4")
+    ap.add_argument("--int8-amx-min-rows", default=str(EngineConfig.model_fields["int8_amx_min_rows"].default),
+                    help="INT8 dispatch threshold (EngineConfig.int8_amx_min_rows; 'never' = torch's kernel only)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall, or cpu (process CPU time: steadier on a loaded machine, with --threads 1)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     amx_rows = [None if v in ("never", "None") else int(v) for v in args.int4_amx_min_rows]
+    set_int8_amx_min_rows(None if args.int8_amx_min_rows in ("never", "None") else int(args.int8_amx_min_rows))
     loaded = load_model(args.model, resolve_dtype(args.dtype, args.device), args.device)
     name, model = loaded.files.name, loaded.model
     num_layers = model.config.num_layers
     if max(args.layers) > num_layers:
         raise SystemExit(f"--layers {args.layers}: the model has only {num_layers} layers")
     order = resolve_swap_order(num_layers, name)
-    int4 = {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4) for i in order.order[:max(args.layers)]}
-    results = bench(model, LayerSwitch(model, int4), order.order, args.layers, args.batch, args.context,
+    switches = {rung: LayerSwitch(model, {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision(rung))
+                                          for i in order.order[:max(args.layers)]}) for rung in args.rung}
+    results = bench(model, switches, order.order, args.layers, args.batch, args.context,
                     args.rounds, args.steps, CLOCKS[args.clock], args.attention, amx_rows)
     report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
               "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
               "context": args.context, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
-              "swap_order": order.source, "attention": args.attention, "int4": "rtn, group 128 (64 where needed)",
+              "swap_order": order.source, "attention": args.attention, "rungs": args.rung,
+              "int4": "rtn, group 128 (64 where needed)", "int8": "rtn, per output channel",
               "int4_amx_min_rows": args.int4_amx_min_rows, "int4_amx": int4_amx_reason() or "available",
+              "int8_amx_min_rows": args.int8_amx_min_rows, "int8_amx": int8_amx_reason() or "available",
               "median_seconds_per_step": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     columns = list(next(iter(results.values())))
@@ -149,15 +167,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{key:<10}" + "".join(f"{row[c] * 1e3:>{max(14, len(c) + 2) - 3}.2f} ms" for c in columns))
     if len(amx_rows) > 1:
         for key, row in results.items():
-            base = row[f"int4={args.layers[0]} amx={args.int4_amx_min_rows[0]}"]  # int4=0: full precision
-            print(key, " ".join(f"int4={n} amx={m}: {row[f'int4={n} amx={m}'] / base:.3f}"
-                                for n in args.layers for m in args.int4_amx_min_rows))
+            base = row[f"{args.rung[0]}={args.layers[0]} amx={args.int4_amx_min_rows[0]}"]  # <rung>=0: full precision
+            print(key, " ".join(f"{r}={n} amx={m}: {row[f'{r}={n} amx={m}'] / base:.3f}"
+                                for r, n in configurations(args.rung, args.layers) for m in args.int4_amx_min_rows))
+    elif len(args.attention) == 1 and 0 in args.layers:
+        for key, row in results.items():
+            base = row[f"{args.rung[0]}=0"]  # full precision
+            print(key, "ratio to full precision:", " ".join(f"{r}={n}: {row[f'{r}={n}'] / base:.3f}"
+                                                             for r, n in configurations(args.rung, args.layers) if n))
     if len(args.attention) > 1:
         for key, row in results.items():
-            for n in args.layers:
-                base = row[f"int4={n} attention={args.attention[-1]}"]
-                print(key, f"int4={n}", " ".join(f"{a}/{args.attention[-1]} = {row[f'int4={n} attention={a}'] / base:.3f}"
-                                                 for a in args.attention[:-1]))
+            for r, n in configurations(args.rung, args.layers):
+                base = row[f"{r}={n} attention={args.attention[-1]}"]
+                print(key, f"{r}={n}", " ".join(f"{a}/{args.attention[-1]} = {row[f'{r}={n} attention={a}'] / base:.3f}"
+                                                for a in args.attention[:-1]))
     print(f"{name} {args.dtype} on {torch.get_num_threads()} CPU threads, context {args.context}; "
           f"order {order.source} -> {args.out}")
 

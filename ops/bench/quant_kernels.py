@@ -15,8 +15,9 @@ Candidates: `bf16_plain` (F.linear); `int4_tinygemm` (the engine's Int4Linear: t
 into a reused bf16 scratch by torch ops, then F.linear); `int8_onednn_dynamic` (activations quantized per
 tensor to uint8 on the fly, oneDNN `qlinear_pointwise` on a prepacked int8 weight: AMX-INT8, other
 numerics); `int4_amx` (the engine's AMX op, engine/kernels/int4_amx.cpp from `make kernels`: int4pack
-blocks dequantized to bf16 in cache, AMX brgemm; timed where the library is built and the CPU has
-AMX-BF16, else left out and the reason printed).
+blocks dequantized to bf16 in cache, AMX brgemm) and `int8_amx` (engine/kernels/int8_amx.cpp: the int8 codes
+converted to bf16 in cache, AMX tiles, fp32 scaling); timed where the library is built and the CPU has
+AMX-BF16, else left out and the reason printed. `--candidates` times a subset (the baseline always).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.capability import detect_capability
-from engine.kernels import int4_amx_op, int4_amx_reason
+from engine.kernels import int4_amx_op, int4_amx_reason, int8_amx_op, int8_amx_reason
 from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from engine.quant.int4_kernel import set_amx_min_rows
 from engine.quant.int4_record import unpack_nibbles
@@ -49,9 +50,15 @@ def _dynamic_uint8(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
     return q.int_repr(), q.q_scale(), q.q_zero_point()
 
 
-def candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[str, Callable[[], torch.Tensor]]:
+def candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool,
+               only: set[str] | None = None) -> dict[str, Callable[[], torch.Tensor]]:
     """name -> a call computing xs[0] @ w.T in that form (weights built once, outside the timing; the caller
-    sets xs[0], the activations, before timing)."""
+    sets xs[0], the activations, before timing); `only`: these and the baseline."""
+    calls = _all_candidates(w, xs, amx)
+    return {k: f for k, f in calls.items() if only is None or k in only or k == BASELINE}
+
+
+def _all_candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[str, Callable[[], torch.Tensor]]:
     n, k = w.shape
     wb = w.to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(wb, 32)
@@ -84,8 +91,9 @@ def candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[str, 
         "int8_onednn_dynamic": onednn_dynamic,
     }
     if amx:
-        op = int4_amx_op()
-        calls["int4_amx"] = lambda: op(xs[0], i4.packed, i4.group_size, i4.scales_and_zeros)
+        op4, op8 = int4_amx_op(), int8_amx_op()
+        calls["int4_amx"] = lambda: op4(xs[0], i4.packed, i4.group_size, i4.scales_and_zeros)
+        calls["int8_amx"] = lambda: op8(xs[0], i8.qweight, i8.scales)
     return calls
 
 
@@ -116,14 +124,14 @@ def time_cell(layers: list[dict[str, Callable[[], torch.Tensor]]], rounds: int, 
 
 
 def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool,
-        shapes: list[tuple[int, int]] = SHAPES) -> list[dict]:
+        shapes: list[tuple[int, int]] = SHAPES, only: set[str] | None = None) -> list[dict]:
     out = []
     set_amx_min_rows(None)  # `int4_tinygemm` is Int4Linear on torch's kernel; the AMX op is its own candidate
     xs: list[torch.Tensor] = [torch.empty(0)]
     with torch.inference_mode():
         for in_f, out_f in shapes:
             weights = [torch.randn(out_f, in_f) * 0.05 for _ in range(copies)]
-            layers = [candidates(w, xs, amx) for w in weights]
+            layers = [candidates(w, xs, amx, only) for w in weights]
             for m in rows:
                 xs[0] = torch.randn(m, in_f).to(torch.bfloat16)
                 samples = time_cell(layers, rounds, inner)
@@ -146,15 +154,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copies", type=int, default=30, help="weight copies per candidate, cycled (30 = the model's "
                     "layers: weights come from memory as in a decode step; 1 = cache-hot)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--candidates", nargs="+", default=None, help="time only these (and the baseline), e.g. "
+                    "int8_pack_mm int8_amx")
     ap.add_argument("--out", type=Path, default=Path("quant_kernels.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if (why := int4_amx_reason()) is not None:
-        print(f"int4_amx left out: {why}")
-    rows = run(args.rows, args.rounds, args.inner, args.copies, why is None)
+    if (why := int4_amx_reason() or int8_amx_reason()) is not None:
+        print(f"int4_amx and int8_amx left out: {why}")
+    only = set(args.candidates) if args.candidates else None
+    rows = run(args.rows, args.rounds, args.inner, args.copies, why is None, only=only)
     how = {"torch": torch.__version__, "threads": args.threads, "copies": args.copies, "rounds": args.rounds, "inner": args.inner,
-           "capability": str(detect_capability(torch.device("cpu"))), "int4_amx": int4_amx_reason() or "timed", "machine": platform.processor() or platform.machine(),
+           "capability": str(detect_capability(torch.device("cpu"))), "int4_amx": int4_amx_reason() or "timed",
+           "int8_amx": int8_amx_reason() or "timed", "candidates": args.candidates or "all", "machine": platform.processor() or platform.machine(),
            "statistic": "ms per call (min and median over interleaved rounds), bf16 activations; ratio = / bf16_packed"}
     args.out.write_text(json.dumps({"how": how, "cells": rows}, indent=2))
     print(f"saved {args.out}")
