@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.layers.activation import silu_and_mul
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import DenseLinear, FusedWeight, Linear, fuse_dense, tensor_nbytes
 from engine.layers.packed import PackedGroup, pack_group, packed_group_of
@@ -168,10 +169,9 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is not None:
-            gate, up = _run(self._gate_up, x).chunk(2, dim=-1)  # [T, I] each
+            h = silu_and_mul(_run(self._gate_up, x))  # [T, 2I] -> [T, I]
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        h = F.silu(gate) * up
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(h) if self._down is None else self._down(h)
 
 

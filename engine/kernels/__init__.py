@@ -1,6 +1,6 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` / `int4_amx_op()` are the ops, or None when the library is not built or is older
+`paged_attention_op()` / `elementwise_ops()` / `int4_amx_op()` are the ops, or None when the library is not built or is older
 than its sources (the callers then use their torch-only path, and `available_reason()` says why). The
 INT4 AMX op also needs a CPU with AMX-BF16 at run time and a library compiled for it (int4_amx.cpp is
 empty where the compiler does not target AVX512-BF16 + AMX); `int4_amx_reason()` says why not."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "fused_elementwise.cpp")
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}
@@ -38,6 +38,13 @@ def _load() -> None:
 def paged_attention_op():
     _load()
     return None if _state["reason"] else torch.ops.morphserve.paged_attention
+
+
+def elementwise_ops():
+    """The fused elementwise ops (fused_elementwise.cpp: rms_norm, add_rms_norm, silu_and_mul, rotary_)
+    as the `torch.ops.morphserve` namespace, or None when the library is not loaded."""
+    _load()
+    return None if _state["reason"] else torch.ops.morphserve
 
 
 def available_reason() -> str | None:
