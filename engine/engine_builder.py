@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_storage import KVStorage
+from engine.layers.packed import packing_available
 from engine.ledger import MemoryLedger
 from engine.loader import load_model
 from engine.memory_plan import MemoryPlan, memory_facts, plan_for
@@ -66,6 +67,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     set_amx_min_rows(config.int4_amx_min_rows)  # process-wide, like the thread count (quant/int4_kernel.py)
     loaded = load_model(config.model, config.torch_dtype, config.device, config.cache_path)
     mc, model = loaded.config, loaded.model
+    if packing_available(model.dtype, config.device):  # before the plan: the packed head's bytes count
+        model.pack_head()
     max_model_len = _max_model_len(config, mc)
     facts = memory_facts(config, mc, model, max_model_len)
     # Morphing first: its host store and starting precisions decide the plan.

@@ -13,6 +13,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "fused_elementwise.cpp")
+HEADERS = (HERE / "simd_math.h",)  # included by the sources: a change rebuilds too
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}
@@ -23,7 +24,7 @@ def _load() -> None:
         return
     if not LIBRARY.exists():
         _state["reason"] = f"{LIBRARY.name} not built (run `make kernels` or `python -m engine.kernels.build`)"
-    elif any(s.exists() and s.stat().st_mtime > LIBRARY.stat().st_mtime for s in SOURCES):
+    elif any(s.exists() and s.stat().st_mtime > LIBRARY.stat().st_mtime for s in SOURCES + HEADERS):
         _state["reason"] = f"{LIBRARY.name} is older than its source (rebuild: `make kernels`)"
     else:
         try:

@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "simd_math.h"
+
 namespace {
 
 constexpr int64_t kMinElementsPerThread = 32768;  // below this a fork/join costs more than it saves
@@ -33,22 +35,6 @@ inline T from_float(float f) {
     out.x = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
     return out;
   }
-}
-
-// exp(x) for float, relative error ~2e-7 (a few float ulps): 2^n * p(r), |r| <= ln2/2, degree-6
-// polynomial. Written without branches or library calls so the loops around it vectorize.
-inline float exp_approx(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in two for exactness
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * std::bit_cast<float>(static_cast<int32_t>(n + 127.f) << 23);
 }
 
 void check_rows(const at::Tensor& x, const char* op) {
@@ -130,7 +116,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float v = to_float(g[i]);
-        const float act = to_float(from_float<T>(v / (1.f + exp_approx(-v))));
+        const float act = to_float(from_float<T>(v / (1.f + morphserve::exp_approx(-v))));
         o[i] = from_float<T>(act * to_float(u[i]));
       }
     });
