@@ -1,6 +1,6 @@
 """Everything an LLMEngine runs with, built in order before the engine object exists:
 
-    model + tokenizer (engine/loader.py)
+    model + tokenizer (engine/loader.py) -> [packed lm_head copy, where packing pays]
       -> memory facts -> [morphing: host store, swap order, layers that start low] -> memory plan
       -> ledger, KV storage, block pool, block tables -> scheduler, pressure monitor
       -> KV resizer -> model runner (packs the layers) -> [morphing: packed store, morph executor]
