@@ -1,6 +1,6 @@
 """Everything an LLMEngine runs with, built in order before the engine object exists:
 
-    model + tokenizer (engine/loader.py) -> [packed lm_head copy, where packing pays]
+    model + tokenizer (engine/loader.py) -> [pack_lm_head: packed lm_head copy, where packing pays]
       -> memory facts -> [morphing: host store, swap order, layers that start low] -> memory plan
       -> ledger, KV storage, block pool, block tables -> scheduler, pressure monitor
       -> KV resizer -> model runner (packs the layers) -> [morphing: packed store, morph executor]
@@ -67,7 +67,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     set_amx_min_rows(config.int4_amx_min_rows)  # process-wide, like the thread count (quant/int4_kernel.py)
     loaded = load_model(config.model, config.torch_dtype, config.device, config.cache_path)
     mc, model = loaded.config, loaded.model
-    if packing_available(model.dtype, config.device):  # before the plan: the packed head's bytes count
+    if config.pack_lm_head and packing_available(model.dtype, config.device):  # before the plan: its bytes count
         model.pack_head()
     max_model_len = _max_model_len(config, mc)
     facts = memory_facts(config, mc, model, max_model_len)

@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         re-blocks the whole vocab x hidden matrix on every call (about 1.5x the packed call's time).
         The packed copy is kept beside the plain one (a tied head's plain tensor is the embedding
         table, which the lookup needs) and counted in base_weight_bytes(), so call this before the
-        memory plan reads them (engine/engine_builder.py does). Idempotent."""
+        memory plan reads them (engine/engine_builder.py does, with EngineConfig.pack_lm_head). Idempotent."""
         if self._packed_head is None:
             self._packed_head = PackedGroup(self.lm_head.weight, self.lm_head.bias)
 

@@ -53,7 +53,6 @@ class ModelRunner:
         self.capability = detect_capability(self.device)
         if packing_available(model.dtype, self.device):
             model.pack_linears()  # same bytes, so the ledger is unchanged
-            model.pack_head()  # no-op when the engine builder packed it before planning memory
         supported = in_place_supported(model.dtype, self.device)
         if attention == "in_place" and not supported:
             raise ValueError(f"in-place attention does not serve {model.dtype} on {self.device} here "

@@ -57,7 +57,8 @@ def test_packed_model_matches_plain_and_counts_the_same_bytes(tiny_model_dir, tm
 
 
 def test_packed_head_gives_the_same_logits_and_is_counted(tiny_model_dir, tmp_path):
-    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False)
+    assert engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False).model._packed_head is None
+    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False, pack_lm_head=True)
     model = engine.model
     head = model._packed_head
     assert head is not None  # packed by the builder, before the memory plan
