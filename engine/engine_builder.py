@@ -1,6 +1,6 @@
 """Everything an LLMEngine runs with, built in order before the engine object exists:
 
-    model + tokenizer (engine/loader.py)
+    model + tokenizer (engine/loader.py) -> [pack_lm_head: packed lm_head copy, where packing pays]
       -> memory facts -> [morphing: host store, swap order, layers that start low] -> memory plan
       -> ledger, KV storage, block pool, block tables -> scheduler, pressure monitor
       -> KV resizer -> model runner (packs the layers) -> [morphing: packed store, morph executor]
@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_storage import KVStorage
+from engine.layers.packed import packing_available
 from engine.ledger import MemoryLedger
 from engine.loader import load_model
 from engine.memory_plan import MemoryPlan, memory_facts, plan_for
@@ -68,6 +69,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     set_int8_amx_min_rows(config.int8_amx_min_rows)  # likewise (quant/int8.py)
     loaded = load_model(config.model, config.torch_dtype, config.device, config.cache_path)
     mc, model = loaded.config, loaded.model
+    if config.pack_lm_head and packing_available(model.dtype, config.device):  # before the plan: its bytes count
+        model.pack_head()
     max_model_len = _max_model_len(config, mc)
     facts = memory_facts(config, mc, model, max_model_len)
     # Morphing first: its host store and starting precisions decide the plan.

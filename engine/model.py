@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.layers.activation import silu_and_mul
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import DenseLinear, FusedWeight, Linear, fuse_dense, tensor_nbytes
 from engine.layers.packed import PackedGroup, pack_group, packed_group_of
@@ -168,10 +169,9 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is not None:
-            gate, up = _run(self._gate_up, x).chunk(2, dim=-1)  # [T, I] each
+            h = silu_and_mul(_run(self._gate_up, x))  # [T, 2I] -> [T, I]
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        h = F.silu(gate) * up
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(h) if self._down is None else self._down(h)
 
 
@@ -191,6 +191,16 @@ class Transformer(nn.Module):
                         else DenseLinear.empty(config.hidden_size, config.vocab_size, False, dtype, device))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                       config.rope_scaling, dtype, device)
+        self._packed_head: PackedGroup | None = None  # see pack_head
+
+    def pack_head(self) -> None:
+        """Pre-pack lm_head for oneDNN (engine/layers/packed.py): at a decode step's few rows, F.linear
+        re-blocks the whole vocab x hidden matrix on every call (about 1.5x the packed call's time).
+        The packed copy is kept beside the plain one (a tied head's plain tensor is the embedding
+        table, which the lookup needs) and counted in base_weight_bytes(), so call this before the
+        memory plan reads them (engine/engine_builder.py does, with EngineConfig.pack_lm_head). Idempotent."""
+        if self._packed_head is None:
+            self._packed_head = PackedGroup(self.lm_head.weight, self.lm_head.bias)
 
     def pack_linears(self) -> None:
         """Pre-pack every layer's dense linears for oneDNN from now on, including layers installed later
@@ -214,7 +224,9 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> fp32 logits [N, vocab]."""
-        return self.lm_head(self.norm(hidden)).float()
+        normed = self.norm(hidden)
+        head = self._packed_head
+        return (self.lm_head(normed) if head is None else head(normed)).float()
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         """HF name -> the tensor this model owns for it (what build_model fills)."""
@@ -230,13 +242,15 @@ class Transformer(nn.Module):
         return out
 
     def base_weight_bytes(self) -> int:
-        """Bytes outside the swappable linears: embeddings, every norm, lm_head (once if tied), RoPE cache."""
+        """Bytes outside the swappable linears: embeddings, every norm, lm_head (once if tied; plus its
+        packed copy, see pack_head), RoPE cache."""
         tensors = [self.embed_weight, self.norm.weight, self.rotary.cos, self.rotary.sin]
         if not self.config.tie_word_embeddings:
             tensors.append(self.lm_head.weight)
         for layer in self.layers:
             tensors.extend(layer.get_norm_weights().values())
-        return sum(tensor_nbytes(t) for t in tensors)
+        packed_head = 0 if self._packed_head is None else self._packed_head.nbytes()
+        return sum(tensor_nbytes(t) for t in tensors) + packed_head
 
     def layer_weight_bytes(self, i: int) -> int:
         """Bytes of layer i's 7 linears at their current precision."""

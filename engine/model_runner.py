@@ -51,8 +51,8 @@ class ModelRunner:
         self.model, self.storage, self.device = model, storage, torch.device(device)
         self.num_layers = model.config.num_layers
         self.capability = detect_capability(self.device)
-        if packing_available(model.dtype, self.device):  # same bytes, so the ledger is unchanged
-            model.pack_linears()
+        if packing_available(model.dtype, self.device):
+            model.pack_linears()  # same bytes, so the ledger is unchanged
         supported = in_place_supported(model.dtype, self.device)
         if attention == "in_place" and not supported:
             raise ValueError(f"in-place attention does not serve {model.dtype} on {self.device} here "

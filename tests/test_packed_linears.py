@@ -56,6 +56,25 @@ def test_packed_model_matches_plain_and_counts_the_same_bytes(tiny_model_dir, tm
         assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
 
 
+def test_packed_head_gives_the_same_logits_and_is_counted(tiny_model_dir, tmp_path):
+    assert engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False).model._packed_head is None
+    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False, pack_lm_head=True)
+    model = engine.model
+    head = model._packed_head
+    assert head is not None  # packed by the builder, before the memory plan
+    plain = sum(t.numel() * t.element_size() for t in
+                [model.embed_weight, model.norm.weight, model.rotary.cos, model.rotary.sin]
+                + ([] if model.config.tie_word_embeddings else [model.lm_head.weight])
+                + [w for layer in model.layers for w in layer.get_norm_weights().values()])
+    ledger_base = engine.ledger.weights - sum(engine.ledger.layer_weights(i) for i in range(len(model.layers)))
+    assert model.base_weight_bytes() == plain + head.nbytes() == ledger_base
+    hidden = torch.randn(7, model.config.hidden_size, dtype=torch.bfloat16)
+    normed = model.norm(hidden)
+    want = torch.nn.functional.linear(normed, model.lm_head.weight, model.lm_head.bias).float()
+    assert torch.equal(model.compute_logits(hidden), want)
+    assert torch.equal(model.compute_logits(hidden[2:3]), want[2:3])  # row-invariant
+
+
 def test_swap_and_restore_of_a_packed_layer_is_bit_identical(tiny_model_dir, tmp_path):
     engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16")
     originals = original_tensors(engine, 1)

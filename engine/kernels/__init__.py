@@ -1,6 +1,6 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` / `int4_amx_op()` / `int8_amx_op()` are the ops, or None when the library is not
+`paged_attention_op()` / `elementwise_ops()` / `int4_amx_op()` / `int8_amx_op()` are the ops, or None when the library is not
 built or is older than its sources (the callers then use their torch-only path, and `available_reason()`
 says why). The AMX ops also need a CPU with AMX (BF16 for INT4, INT8 for INT8) at run time and a library
 compiled for it (int4_amx.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX);
@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp",
+           HERE / "fused_elementwise.cpp")
+HEADERS = (HERE / "simd_math.h",)  # included by the sources: a change rebuilds too
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}
@@ -24,7 +26,7 @@ def _load() -> None:
         return
     if not LIBRARY.exists():
         _state["reason"] = f"{LIBRARY.name} not built (run `make kernels` or `python -m engine.kernels.build`)"
-    elif any(s.exists() and s.stat().st_mtime > LIBRARY.stat().st_mtime for s in SOURCES):
+    elif any(s.exists() and s.stat().st_mtime > LIBRARY.stat().st_mtime for s in SOURCES + HEADERS):
         _state["reason"] = f"{LIBRARY.name} is older than its source (rebuild: `make kernels`)"
     else:
         try:
@@ -39,6 +41,13 @@ def _load() -> None:
 def paged_attention_op():
     _load()
     return None if _state["reason"] else torch.ops.morphserve.paged_attention
+
+
+def elementwise_ops():
+    """The fused elementwise ops (fused_elementwise.cpp: rms_norm, add_rms_norm, silu_and_mul, rotary_)
+    as the `torch.ops.morphserve` namespace, or None when the library is not loaded."""
+    _load()
+    return None if _state["reason"] else torch.ops.morphserve
 
 
 def available_reason() -> str | None:

