@@ -15,6 +15,7 @@ from engine.quant.fused import fuse_quantized
 from engine.quant.int4_kernel import amx_min_rows, set_amx_min_rows
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
+from tests.kernel_dispatch import assert_dispatch_by_rows
 
 pytestmark = pytest.mark.skipif(int4_amx_reason() is not None, reason=f"INT4 AMX op: {int4_amx_reason()}")
 
@@ -56,12 +57,7 @@ def test_linears_dispatch_by_rows(threshold):
     op = int4_amx_op()
     new = [op(x, lin.packed, lin.group_size, lin.scales_and_zeros.contiguous()) for lin in members]
     threshold(4)
-    for m in (1, 3):  # below: torch's kernel, bit-identical
-        assert torch.equal(fused(x[:m]), torch.cat([o[:m] for o in old], dim=1))
-        assert all(torch.equal(lin(x[:m]), o[:m]) for lin, o in zip(members, old))
-    for m in (4, 17):  # from the threshold up: the AMX op, bit-identical to calling it directly
-        assert torch.equal(fused(x[:m]), torch.cat([o[:m] for o in new], dim=1))
-        assert all(torch.equal(lin(x[:m]), o[:m]) for lin, o in zip(members, new))
+    assert_dispatch_by_rows(fused, members, x, old, new)
 
 
 def test_int4_layers_are_batch_invariant_with_amx_from_one_row(tiny_model_dir, tmp_path, threshold):

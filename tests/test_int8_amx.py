@@ -16,6 +16,7 @@ from engine.quant.awq import LayerWeights
 from engine.quant.int8 import int8_amx_min_rows, set_int8_amx_min_rows
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
+from tests.kernel_dispatch import assert_dispatch_by_rows
 
 pytestmark = pytest.mark.skipif(int8_amx_reason() is not None, reason=f"INT8 AMX op: {int8_amx_reason()}")
 BF16_UNIT = 2.0 ** -8  # relative rounding of one bf16 value
@@ -74,12 +75,7 @@ def test_linears_dispatch_by_rows(threshold):
     op = int8_amx_op()
     new = [op(x, lin.qweight, lin.scales) for lin in members]
     threshold(4)
-    for m in (1, 3):  # below: torch's kernel, bit-identical
-        assert torch.equal(fused(x[:m]), torch.cat([o[:m] for o in old], dim=1))
-        assert all(torch.equal(lin(x[:m]), o[:m]) for lin, o in zip(members, old))
-    for m in (4, 17):  # from the threshold up: the AMX op, bit-identical to calling it directly
-        assert torch.equal(fused(x[:m]), torch.cat([o[:m] for o in new], dim=1))
-        assert all(torch.equal(lin(x[:m]), o[:m]) for lin, o in zip(members, new))
+    assert_dispatch_by_rows(fused, members, x, old, new)
     ineligible = Int8Linear(quantize_int8(torch.randn(24, 128, generator=gen)))
     assert torch.equal(ineligible(x), torch.ops.aten._weight_int8pack_mm(x, ineligible.qweight, ineligible.scales.bfloat16()))
 
