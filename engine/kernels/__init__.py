@@ -44,7 +44,7 @@ def paged_attention_op():
 
 
 def elementwise_ops():
-    """The fused elementwise ops (fused_elementwise.cpp: rms_norm, add_rms_norm, silu_and_mul, rotary_)
+    """The fused elementwise ops (fused_elementwise.cpp: rms_norm, silu_and_mul, rotary_)
     as the `torch.ops.morphserve` namespace, or None when the library is not loaded."""
     _load()
     return None if _state["reason"] else torch.ops.morphserve
