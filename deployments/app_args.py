@@ -61,6 +61,7 @@ class AppArgs(BaseModel):
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one ingress replica handles at once")
     ingress_max_queued_requests: int = Field(64, ge=-1, description="HTTP requests Serve's proxy queues for the ingress beyond that (-1: no limit); beyond -> 503")
+    ingress_refusal_hold_s: float = Field(0.5, ge=0.0, description="after an engine refuses a generation (full), the ingress refuses new ones itself (503) until one of its generations ends or this long passes; 0: off (deployments/overload_gate.py)")
     engine_num_cpus: float = Field(1.0, ge=0.0, description="Ray CPUs reserved per engine replica")
     engine_num_gpus: float = Field(0.0, ge=0.0, description="Ray GPUs reserved per engine replica (1 on a GPU cluster)")
     # -- HTTP --

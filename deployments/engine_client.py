@@ -8,14 +8,17 @@ with `error` set (`stream_with_error_chunks`) and `HandleEngineClient` raises th
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Callable, Literal, Protocol, runtime_checkable
 
 from controller.policy_config import ModeName
+from deployments.overload_gate import OverloadGate
 from engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from engine.logprobs import PositionLogprobs
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import StructuredOutput
+from engine.tokenizer import Tokenizer
 
 ErrorKind = Literal["invalid_request", "overloaded", "dead", "internal"]
 
@@ -163,28 +166,55 @@ async def stream_with_error_chunks(request: GenerateRequest,
             await aclose()
 
 
+# Below this many characters tokenizing takes well under a millisecond, less than a worker-thread hop
+# (which, under a burst on 2 cores, waits for the GIL twice); longer texts go to a worker thread, so
+# the ingress keeps streaming meanwhile.
+INLINE_TOKENIZE_CHARS = 2048
+
+
+async def _off_loop_if_long(fn: Callable[[], Any], size: int) -> Any:
+    return fn() if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
+
+
 class HandleEngineClient:
     """EngineClient over a Ray Serve DeploymentHandle to the engine replica deployment, whose
     methods have the same names: `generate` streams chunks (errors as chunks), the others return
-    values. Ray Serve's back-pressure becomes EngineOverloadedError (-> 503)."""
+    values. Ray Serve's back-pressure becomes EngineOverloadedError (-> 503).
 
-    def __init__(self, handle: Any):
+    Tokenizing happens here, in the ingress (as vLLM's API server does): the engine's tokenizer is
+    fetched once (`tokenizer_files`) and rebuilt, so a request costs the busy engine replica one call,
+    not two. An OverloadGate refuses generation here while the engines are known full."""
+
+    def __init__(self, handle: Any, refusal_hold_s: float = 0.0):
         self._handle = handle
+        self.gate = OverloadGate(refusal_hold_s)
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_fetched = False  # False: not asked yet; True and None: the model has none
+        self._tokenizer_lock = asyncio.Lock()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         from ray.serve.exceptions import BackPressureError
 
+        self.gate.check()
         responses = self._handle.options(stream=True).generate.remote(request)
-        finished = False
+        finished = refused = False
         try:
             async for chunk in responses:
+                # An error chunk is the replica's last: its generator has ended, so nothing to cancel
+                # (cancelling it anyway costs the replica a traceback for every refusal in a burst).
+                finished = chunk.error is not None or chunk.finish_reason is not None
                 if chunk.error is not None:
+                    refused = chunk.error.kind == "overloaded"
                     raise exception_from_error_info(chunk.error)
-                finished = chunk.finish_reason is not None
                 yield chunk
         except BackPressureError as exc:
+            refused = True
             raise EngineOverloadedError(f"all engine replicas are busy: {exc}") from exc
         finally:
+            if refused:
+                self.gate.refused()
+            else:  # it ended, one way or another, after the engine took it: a slot is free
+                self.gate.ended()
             if not finished:
                 responses.cancel()  # the replica's generator is cancelled, which aborts the request
 
@@ -196,17 +226,40 @@ class HandleEngineClient:
         except BackPressureError as exc:
             raise EngineOverloadedError(f"all engine replicas are busy: {exc}") from exc
 
+    async def _local_tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer rebuilt here (None: the model has none; the engine's calls then
+        raise the error that says so)."""
+        if not self._tokenizer_fetched:
+            async with self._tokenizer_lock:
+                if not self._tokenizer_fetched:
+                    files = await self._call("tokenizer_files")
+                    if files is not None:  # parsing a 2 MB tokenizer.json: off the event loop
+                        self._tokenizer = await asyncio.to_thread(Tokenizer.from_files, files)
+                    self._tokenizer_fetched = True
+        return self._tokenizer
+
     async def model_info(self) -> ModelInfo:
         return await self._call("model_info")
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return await self._call("tokenize", text, add_special_tokens)
+        tok = await self._local_tokenizer()
+        if tok is None:
+            return await self._call("tokenize", text, add_special_tokens)
+        return await _off_loop_if_long(lambda: tok.encode(text, add_special_tokens), len(text))
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await self._call("detokenize", token_ids)
+        tok = await self._local_tokenizer()
+        if tok is None or any(not 0 <= t < tok.vocab_size for t in token_ids):  # the engine's error
+            return await self._call("detokenize", token_ids)
+        return await _off_loop_if_long(lambda: tok.decode(token_ids, False), len(token_ids))
 
     async def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return await self._call("tokenize_chat", messages)
+        tok = await self._local_tokenizer()
+        if tok is None:
+            return await self._call("tokenize_chat", messages)
+        size = sum(len(m["content"]) if isinstance(m.get("content"), str) else INLINE_TOKENIZE_CHARS + 1
+                   for m in messages)
+        return await _off_loop_if_long(lambda: tok.encode(tok.apply_chat_template(messages)), size)
 
     async def check_health(self) -> None:
         await self._call("check_health")

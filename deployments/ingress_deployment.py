@@ -16,7 +16,7 @@ from deployments.ingress import build_ingress_app
 class OpenAIIngress:
     def __init__(self, llm_server: Any, args: AppArgs | dict):
         self.args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-        self.engine = HandleEngineClient(llm_server)
+        self.engine = HandleEngineClient(llm_server, refusal_hold_s=self.args.ingress_refusal_hold_s)
 
     def __serve_build_asgi_app__(self):
         # Built on the replica (after __init__): metrics default to Ray metrics in here.

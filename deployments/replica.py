@@ -29,6 +29,7 @@ from deployments.router import ReplicaLoad
 from engine.async_engine import AsyncLLMEngine
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import TokenizerFiles
 
 log = logging.getLogger("morphserve.replica")
 STEP_METRICS_INTERVAL_S = 1.0
@@ -127,6 +128,11 @@ class LLMServer:
                            set(tokenizer.eos_token_ids if tokenizer is not None else ())))
         return ModelInfo(self.engine.model_name, self.engine.max_model_len, self.engine.model_config.vocab_size,
                          eos, self.created, (self.config.max_stop_strings, self.config.max_stop_string_chars))
+
+    async def tokenizer_files(self) -> TokenizerFiles | None:
+        """The tokenizer as plain values: the ingress tokenizes with its own copy (None: no tokenizer)."""
+        tokenizer = self.engine.tokenizer
+        return None if tokenizer is None else tokenizer.files()
 
     def _tokenizer(self):
         if self.engine.tokenizer is None:
@@ -232,6 +238,8 @@ class LLMServer:
         router counts every request it sent after that as not yet in these figures."""
         snapshot = self.engine.pressure()
         taken_at = time.time() - max(0.0, time.monotonic() - snapshot.time)
+        if self.engine.num_live == 0:  # idle: the thread published its last round and nothing changed
+            taken_at = time.time()  # since (an idle engine does not step, so its snapshot would look stale)
         return ReplicaLoad(free_blocks=snapshot.available_blocks - snapshot.waiting_demand_blocks,
                            num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=taken_at,
                            reservation_tokens=snapshot.reservation_tokens,

@@ -7,6 +7,7 @@ model was trained on.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import datetime
 from pathlib import Path
@@ -83,12 +84,23 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizerFiles:
+    """A tokenizer as plain values (what its files hold), so it pickles across processes: the HTTP
+    ingress rebuilds the engine's tokenizer from it and tokenizes without a call into the engine."""
+    tokenizer_json: str  # tokenizer.json's text
+    tokenizer_config: dict[str, Any]
+    generation_config: dict[str, Any]
+    chat_template: str | None
+
+
 class Tokenizer:
     """A model's tokenizer: `tokenizers.Tokenizer` plus what tokenizer_config / generation_config add."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, tokenizer_config: dict[str, Any],
                  generation_config: dict[str, Any], chat_template: str | None):
         self._tok = tokenizer
+        self._configs = (tokenizer_config, generation_config)
         self.bos_token = _token_text(tokenizer_config.get("bos_token"))
         self.eos_token = _token_text(tokenizer_config.get("eos_token"))
         self.chat_template = chat_template
@@ -120,6 +132,15 @@ class Tokenizer:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         return cls(tok, tok_cfg, _read_json(hf_dir / "generation_config.json"), template)
+
+    def files(self) -> TokenizerFiles:
+        return TokenizerFiles(self._tok.to_str(), *self._configs, self.chat_template)
+
+    @classmethod
+    def from_files(cls, files: TokenizerFiles) -> "Tokenizer":
+        """The tokenizer `files()` describes (encodes and renders chats exactly as the original)."""
+        return cls(tokenizers.Tokenizer.from_str(files.tokenizer_json), files.tokenizer_config,
+                   files.generation_config, files.chat_template)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

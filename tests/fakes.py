@@ -106,6 +106,9 @@ class FakeEngine:
     async def model_info(self) -> ModelInfo:
         return ModelInfo(self.model_name, self.max_model_len, VOCAB_SIZE, (EOS_TOKEN_ID,), self.created, (4, 8))
 
+    async def tokenizer_files(self):
+        return None  # code points have no tokenizer files: HandleEngineClient calls tokenize here
+
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
 

@@ -16,20 +16,23 @@ from tests.serve_helpers import http, serve_app
 pytestmark = pytest.mark.slow
 CONTROLLER = {"controller_name": "test-openai-clients-controller", "controller_namespace": "morphserve-test-clients"}
 S = {"type": "string", "maxLength": 10}
+# Every value is bounded, so every valid answer fits in max_tokens: an unbounded integer sampled at
+# temperature 0.7 once ran to 120 digits ("length", not "stop"). Numbers keep a free fraction.
+I = {"type": "integer", "minimum": -1000, "maximum": 100000}
 SCHEMAS = [
-    {"type": "object", "properties": {"name": S, "age": {"type": "integer"}}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"name": S, "age": I}, "required": ["name", "age"]},
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
     {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
     {"type": "object", "properties": {"tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 3}},
      "required": ["tags"]},
     {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]},
-    {"type": "object", "properties": {"city": S, "pop": {"type": "integer", "minimum": 0}}, "required": ["city", "pop"]},
-    {"type": "object", "properties": {"point": {"type": "object", "properties": {"a": {"type": "integer"}},
+    {"type": "object", "properties": {"city": S, "pop": {**I, "minimum": 0}}, "required": ["city", "pop"]},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {"a": I},
                                                 "required": ["a"]}}, "required": ["point"]},
-    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    {"type": "array", "items": I, "minItems": 2, "maxItems": 4},
     {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "why": S},
      "required": ["answer", "why"]},
-    {"type": "object", "properties": {"id": {"type": "integer"}, "note": {"anyOf": [S, {"type": "null"}]}},
+    {"type": "object", "properties": {"id": I, "note": {"anyOf": [S, {"type": "null"}]}},
      "required": ["id", "note"]},
 ]
 for schema in SCHEMAS:

@@ -325,3 +325,92 @@ def test_handle_client_raises_a_refused_admin_update_with_its_param():
         run(client.admin_set(AdminUpdate(quantized_layers=1000)))
     assert info.value.param == "quantized_layers" and "[0, 30]" in str(info.value)
     assert run(HandleEngineClient(FakeHandle(FakeReplica(FakeEngine()))).admin_set(AdminUpdate(mode="accuracy")))["mode"] == "accuracy"
+
+
+# ---- tokenizing in the ingress, and the overload gate --------------------------------------------
+
+def _word_tokenizer_files():
+    """A small real tokenizer (word level) with a chat template, as the engine replica would send it."""
+    import tokenizers
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from engine.tokenizer import TokenizerFiles
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", "user:", "hello", "there", "assistant:"])}
+    tok = tokenizers.Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}assistant:"
+    return TokenizerFiles(tok.to_str(), {"eos_token": "<eos>"}, {}, template)
+
+
+class TokenizingReplica(FakeReplica):
+    """A replica that has a tokenizer to share and counts the calls that reach it."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.calls = []
+
+    async def tokenizer_files(self):
+        self.calls.append("tokenizer_files")
+        return _word_tokenizer_files()
+
+    async def tokenize_chat(self, messages):
+        self.calls.append("tokenize_chat")
+        return await self.engine.tokenize_chat(messages)
+
+    async def tokenize(self, text, add_special_tokens=False):
+        self.calls.append("tokenize")
+        return await self.engine.tokenize(text, add_special_tokens)
+
+
+def test_handle_client_tokenizes_with_its_own_copy_fetched_once():
+    replica = TokenizingReplica(FakeEngine())
+    client = HandleEngineClient(FakeHandle(replica))
+
+    async def three():
+        ids = await client.tokenize_chat([{"role": "user", "content": "hello there"}])
+        return ids, await client.tokenize("there hello"), await client.detokenize([3, 4])
+    ids, plain, text = run(three())
+    assert ids == [2, 3, 4, 5] and plain == [4, 3] and text == "hello there"
+    assert replica.calls == ["tokenizer_files"]  # no tokenize call crossed to the engine
+
+
+def test_handle_client_without_engine_tokenizer_asks_the_engine():
+    client = HandleEngineClient(FakeHandle(FakeReplica(FakeEngine())))  # FakeEngine has no tokenizer files
+    assert run(client.tokenize_chat([{"role": "user", "content": "ab"}])) == [97, 98]
+
+
+def test_gate_refuses_here_after_an_engine_refusal_until_a_generation_ends():
+    engine = FakeEngine(queue_limit=1, token_delay_s=0.01)
+    replica = FakeReplica(engine)
+    client = HandleEngineClient(FakeHandle(replica), refusal_hold_s=60.0)
+
+    async def burst():
+        first = client.generate(GenerateRequest("a", (65, 66, 67), 3, ignore_eos=True))
+        await anext(first)
+        with pytest.raises(EngineOverloadedError):  # the engine refuses: it holds one request
+            await anext(client.generate(GenerateRequest("b", (65,), 3)))
+        seen = len(engine.requests)
+        with pytest.raises(EngineOverloadedError, match="none has finished one since"):
+            await anext(client.generate(GenerateRequest("c", (65,), 3)))
+        assert len(engine.requests) == seen  # refused here, without a call into the engine
+        await drain(first)  # "a" ends: a slot is free, the gate opens
+        return await drain(client.generate(GenerateRequest("d", (65,), 2, ignore_eos=True)))
+    chunks = run(burst())
+    assert chunks[-1].finish_reason == "length" and client.gate.refused_here == 1
+
+
+def test_gate_is_off_with_zero_hold():
+    engine = FakeEngine(queue_limit=1, token_delay_s=0.01)
+    client = HandleEngineClient(FakeHandle(FakeReplica(engine)))
+
+    async def burst():
+        first = client.generate(GenerateRequest("a", (65, 66), 2))
+        await anext(first)
+        for rid in "bc":
+            with pytest.raises(EngineOverloadedError):
+                await anext(client.generate(GenerateRequest(rid, (65,), 2)))
+        await first.aclose()
+    run(burst())
+    assert client.gate.refused_here == 0

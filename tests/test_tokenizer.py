@@ -67,6 +67,23 @@ def test_chat_template_matches_transformers(tok, hf_tok):
     assert tok.apply_chat_template(solo) == hf_tok.apply_chat_template(solo, tokenize=False, add_generation_prompt=True)
 
 
+def test_files_round_trip_through_pickle_to_the_same_tokenizer(tok):
+    """What the ingress rebuilds from the engine's TokenizerFiles encodes and renders exactly alike."""
+    import pickle
+
+    from engine.tokenizer import TokenizerFiles
+
+    files = pickle.loads(pickle.dumps(tok.files()))
+    assert isinstance(files, TokenizerFiles)
+    copy = Tokenizer.from_files(files)
+    messages = [{"role": "user", "content": TEXTS[2]}]
+    assert copy.apply_chat_template(messages) == tok.apply_chat_template(messages)
+    for text in TEXTS:
+        assert copy.encode(text) == tok.encode(text)
+        assert copy.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=True)
+    assert (copy.eos_token_ids, copy.bos_token_id, copy.vocab_size) == (tok.eos_token_ids, tok.bos_token_id, tok.vocab_size)
+
+
 def test_text_parts_are_flattened(tok):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
     plain = [{"role": "user", "content": "Hello there"}]

@@ -115,6 +115,7 @@ class MorphExecutor:
             result = _as_action_result(action, [self.swapper.move(action.layer, target)])
         self.pool.check_integrity()
         self.ledger.check_integrity()
+        self.swapper.check_integrity()
         if result.status == "rejected":
             logger.warning("morph action %s rejected: %s", action, result.message)
         return result
