@@ -255,3 +255,13 @@ def test_the_fleet_budget_is_a_command_line_setting():
     assert bench_config(parse_args(["--fleet", "--quick"])).fleet_budget_replicas == 1.0
     cfg = bench_config(parse_args(["--fleet", "--fleet-budget-replicas", "1.5"]))
     assert cfg.fleet_budget_replicas == 1.5 and cfg.systems == fleet_systems()
+
+
+def test_the_mean_load_is_a_command_line_setting_checked_by_the_rule():
+    from ops.bench import BenchmarkInputError
+    from ops.bench.run_all import bench_config, parse_args
+
+    assert bench_config(parse_args([])).calibration.mean_load_fraction == 0.5
+    assert bench_config(parse_args(["--fleet", "--mean-load", "0.75"])).calibration.mean_load_fraction == 0.75
+    with pytest.raises(BenchmarkInputError, match="mean_load_fraction"):
+        bench_config(parse_args(["--mean-load", "1.2"]))

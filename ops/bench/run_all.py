@@ -57,6 +57,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-crosscheck", action="store_true", help="skip the `vllm bench serve` cross-check")
     ap.add_argument("--fleet-budget-replicas", type=float, default=None, help="--fleet: the fleet controller's "
                     "accuracy budget, in one replica's balanced-mode cap (default 1)")
+    ap.add_argument("--mean-load", type=float, default=None, help="the replay's mean arrival rate as a fraction of "
+                    "the measured capacity (default 0.5; raised when the bursts would not exceed capacity)")
     ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
     return ap.parse_args(argv)
 
@@ -72,6 +74,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         changes["systems"] = fleet_systems()
     elif args.quick:
         changes["systems"] = QUICK_SYSTEMS
+    if args.mean_load is not None:
+        changes["calibration"] = dataclasses.replace(base.calibration, mean_load_fraction=args.mean_load)
     if args.no_crosscheck:
         changes["crosscheck"] = None
     if args.no_quality:
