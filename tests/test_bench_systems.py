@@ -265,3 +265,12 @@ def test_the_mean_load_is_a_command_line_setting_checked_by_the_rule():
     assert bench_config(parse_args(["--fleet", "--mean-load", "0.75"])).calibration.mean_load_fraction == 0.75
     with pytest.raises(BenchmarkInputError, match="mean_load_fraction"):
         bench_config(parse_args(["--mean-load", "1.2"]))
+
+
+def test_the_fleet_probe_keeps_every_replica_saturated():
+    from ops.bench.run_all import bench_config, parse_args
+    from ops.bench.systems import FLEET_REPLICAS
+
+    single, fleet = bench_config(parse_args([])), bench_config(parse_args(["--fleet"]))
+    assert fleet.probe.concurrency == FLEET_REPLICAS * single.probe.concurrency
+    assert fleet.probe.num_requests == FLEET_REPLICAS * single.probe.num_requests

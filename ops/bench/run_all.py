@@ -35,8 +35,8 @@ from ops.bench.reaction import engine_blocked_waits, reaction_times
 from ops.bench.report import BenchResults, BenchSettings, SystemRun, build_report, score_quality, summarize
 from ops.bench.run_one import REPO, RunContext, run_system
 from ops.bench.server_process import ServerStartError
-from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_SYSTEMS, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4,
-                               ModelFacts, fleet_note, fleet_systems, interleaved_schedule, plan_budget, system_specs,
+from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_REPLICAS, FLEET_SYSTEMS, QUICK_SYSTEMS, STATIC_FP,
+                               STATIC_INT4, ModelFacts, fleet_note, fleet_systems, interleaved_schedule, plan_budget, system_specs,
                                vllm_block_size, vllm_kv_tokens)
 from ops.bench.traces import load_trace
 from ops.bench.workload import build_workload
@@ -74,6 +74,12 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         changes["systems"] = fleet_systems()
     elif args.quick:
         changes["systems"] = QUICK_SYSTEMS
+    if set(changes.get("systems", base.systems)) <= set(FLEET_SYSTEMS):
+        # Every replica must be kept saturated for the probe to measure the fleet's capacity: with one
+        # replica's 8 in flight, 2 replicas held 4 each and the probe read 1.9 req/s, where a replica
+        # alone takes 1.7, so the "calibrated" replay never loaded the fleet enough to miss an SLO.
+        changes["probe"] = dataclasses.replace(base.probe, concurrency=base.probe.concurrency * FLEET_REPLICAS,
+                                               num_requests=base.probe.num_requests * FLEET_REPLICAS)
     if args.mean_load is not None:
         changes["calibration"] = dataclasses.replace(base.calibration, mean_load_fraction=args.mean_load)
     if args.no_crosscheck:
