@@ -36,8 +36,8 @@ from ops.bench.report import BenchResults, BenchSettings, SystemRun, build_repor
 from ops.bench.run_one import REPO, RunContext, run_system
 from ops.bench.server_process import ServerStartError
 from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_REPLICAS, FLEET_SYSTEMS, QUICK_SYSTEMS, STATIC_FP,
-                               STATIC_INT4, ModelFacts, fleet_note, fleet_systems, interleaved_schedule, plan_budget, system_specs,
-                               vllm_block_size, vllm_kv_tokens)
+                               STATIC_INT4, ModelFacts, fleet_note, fleet_systems, interleaved_schedule, plan_budget,
+                               system_specs, vllm_block_size, vllm_kv_tokens)
 from ops.bench.traces import load_trace
 from ops.bench.workload import build_workload
 
