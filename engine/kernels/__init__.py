@@ -1,10 +1,11 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` / `elementwise_ops()` / `int4_amx_op()` / `int8_amx_op()` are the ops, or None when the library is not
-built or is older than its sources (the callers then use their torch-only path, and `available_reason()`
-says why). The AMX ops also need a CPU with AMX (BF16 for INT4, INT8 for INT8) at run time and a library
-compiled for it (int4_amx.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX);
-`int4_amx_reason()` / `int8_amx_reason()` say why not."""
+`paged_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int8_amx_op()`
+are the ops, or None when the library is not built or is older than its sources (the callers then use
+their torch-only path, and `available_reason()` says why). The AMX ops also need a CPU with AMX (BF16
+for INT4, INT8 for INT8) at run time and a library compiled for it (int4_amx.cpp and int8_amx.cpp are
+empty where the compiler does not target AVX512-BF16 + AMX); `int4_amx_reason()` / `int8_amx_reason()`
+say why not."""
 from __future__ import annotations
 
 import logging
@@ -48,6 +49,14 @@ def elementwise_ops():
     as the `torch.ops.morphserve` namespace, or None when the library is not loaded."""
     _load()
     return None if _state["reason"] else torch.ops.morphserve
+
+
+def elementwise_ops_for(x: torch.Tensor):
+    """elementwise_ops() when they take x (CPU, fp32 or bf16, last dimension contiguous), else None.
+    One lookup per call: the layers call this on every step, for every layer."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1:
+        return None
+    return elementwise_ops()
 
 
 def available_reason() -> str | None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import elementwise_ops
-from engine.layers.norm import fused_supported
+from engine.kernels import elementwise_ops_for
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] -> [T, I]."""
-    if fused_supported(gate_up):
-        return elementwise_ops().silu_and_mul(gate_up)
+    ops = elementwise_ops_for(gate_up)
+    if ops is not None:
+        return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -8,13 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import elementwise_ops
-
-
-def fused_supported(x: torch.Tensor) -> bool:
-    """Whether the fused CPU kernels take x: CPU, fp32 or bf16, its last dimension contiguous, built."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1
-            and elementwise_ops() is not None)
+from engine.kernels import elementwise_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -31,9 +25,10 @@ class RMSNorm(nn.Module):
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (fused_supported(x) and x.dtype == self.weight.dtype and self.weight.is_contiguous()
+        ops = elementwise_ops_for(x)
+        if (ops is not None and x.dtype == self.weight.dtype and self.weight.is_contiguous()
                 and (x.dim() == 2 or x.is_contiguous())):
-            return elementwise_ops().rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

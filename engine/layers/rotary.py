@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.kernels import elementwise_ops
-from engine.layers.norm import fused_supported
+from engine.kernels import elementwise_ops_for
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -78,8 +77,9 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D] (any heads: q, k, or both side by side), positions: [T] long -> rotated x.
         On CPU with the compiled kernels x is rotated in place, in one pass, and returned; else a new tensor."""
-        if fused_supported(x) and x.dtype == self.cos.dtype and positions.device.type == "cpu":
-            elementwise_ops().rotary_(x, positions, self.cos, self.sin)
+        ops = elementwise_ops_for(x)
+        if ops is not None and x.dtype == self.cos.dtype and positions.device.type == "cpu":
+            ops.rotary_(x, positions, self.cos, self.sin)
             return x
         return self.rotate_reference(x, positions)
 
