@@ -163,3 +163,27 @@ def test_kernel_multi_row_runs_are_causal(dtype, tol):
     for (row, n, start), table in zip(runs, tables):
         ref = gather_reference(q[row:row + n], kc, vc, table, start, 0.25)
         torch.testing.assert_close(out[row:row + n].double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4)])
+def test_head_dims_of_real_models_match_the_reference(dim, hq, hkv):
+    """Head dims 32/64/128 in bf16: on a CPU with AVX512-BF16 the kernel's vdpbf16ps route (16-key
+    reductions, key-pair p.v); decodes and multi-row runs, odd context lengths, random tables."""
+    from engine.kernels import paged_attention_op
+    storage, rng = make_storage(96, hkv, dim, torch.bfloat16, layers=1), random.Random(dim + hq)
+    kc, vc = storage.layer(0)
+    runs = [(0, 1, 0), (1, 1, 16), (2, 1, 37), (3, 11, 0), (14, 1, 70), (15, 5, 42)]  # (row, n, start)
+    ids = list(range(96))
+    rng.shuffle(ids)
+    need = [-(-(s + n) // BS) for _, n, s in runs]
+    width = max(need)
+    tables, used = [], 0
+    for k in need:
+        tables.append(ids[used:used + k] + [0] * (width - k))
+        used += k
+    q = torch.randn(20, hq, dim, generator=torch.Generator().manual_seed(dim)).to(torch.bfloat16)
+    out = paged_attention_op()(q, kc, vc, torch.tensor(tables), *(torch.tensor(c) for c in zip(*runs)), dim ** -0.5)
+    for (row, n, start), table in zip(runs, tables):
+        ref = gather_reference(q[row:row + n], kc, vc, table, start, dim ** -0.5)
+        torch.testing.assert_close(out[row:row + n].double(), ref, atol=1e-2, rtol=1e-2)

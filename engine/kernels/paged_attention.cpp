@@ -3,10 +3,20 @@
 // One call covers a set of "runs": consecutive query rows of one request, run r has rows
 // [row_start[r], row_start[r] + num_rows[r]) at positions start_pos[r] + i, and sees keys at positions
 // <= its own (causal), found through block_tables[r]. A decode is a run of one row; a later prefill
-// chunk is a run of n rows. Work item = (run, tile of up to kTileRows query tokens); each item
-// converts one cache block of K (then of V) to fp32 once and uses it for all the item's query rows
-// (the tile's tokens x every query head, GQA as in HF: q head h reads kv head h / group). Softmax is
-// exact two-pass in fp32 (the scores of the item stay in a buffer). Accumulation is fp32 throughout.
+// chunk is a run of n rows. Work item = (run, kv head, tile of up to kTileRows query tokens): the item's
+// rows are the tile's tokens x the query heads that read this kv head (GQA as in HF: q head h reads kv
+// head h / group), so each key and value row is read once for all of them, and a decode of one request
+// still splits over threads (one item per kv head). Softmax is exact two-pass in fp32 over the item's
+// score buffer.
+//
+// Two inner loops, same structure:
+//  * generic (fp32, or bf16 on a CPU without AVX512-BF16, or odd shapes): each key/value row converted
+//    to fp32 once, fp32 dot products and accumulation;
+//  * bf16 with AVX512-BF16 (head dim a multiple of 32, even block size): q.k with vdpbf16ps straight
+//    from the cache's bf16 (no conversion), 16 keys' partial sums reduced together by one transpose-add
+//    tree (a per-key horizontal sum was most of the old kernel's time); p.v also with vdpbf16ps on
+//    key pairs, p rounded to bf16 first, as Hugging Face's eager attention does
+//    (softmax(...).to(dtype) @ v) and SDPA's CPU kernel does. fp32 accumulation.
 // The engine sends it decodes only: for prefill chunks gather + SDPA is faster (engine/layers/attention.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +29,12 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "simd_math.h"
 
 namespace {
 
@@ -55,66 +71,197 @@ struct Geometry {
   int64_t q_s0, q_s1, c_s0, c_s1, c_s2, o_s0, o_s1, table_s0;
 };
 
-// One work item: a tile of nt query tokens of one run, every query head. Row r = t * hq + head (query
-// head `head` reads kv head head / group). A cache block is [bs, hkv, dim] contiguous, so each block
-// of K (then V) is converted to fp32 in one pass (software prefetch of the next block measured no gain).
-// DIM > 0: the head dimension known at compile time (fully vectorized loops); 0: any, at run time.
-template <typename T, int64_t DIM>
-void attend_item(const T* q, const T* k, const T* v, T* out, const int64_t* table, int64_t row0,
-                 int64_t pos0, int64_t nt, float scale, const Geometry& g, std::vector<float>& buf) {
-  const int64_t dim = DIM > 0 ? DIM : g.dim, bs = g.block_size, hkv = g.hkv, hq = g.hq;
-  const int64_t rows = nt * hq, keys = pos0 + nt;  // the tile's last token sees [0, pos0 + nt)
-  const int64_t nblocks = (keys + bs - 1) / bs, block_elems = bs * hkv * dim;
-  buf.resize(rows * dim * 2 + block_elems + rows * keys);
-  float* qf = buf.data();            // [rows, dim], pre-scaled
-  float* acc = qf + rows * dim;      // [rows, dim]
-  float* blk = acc + rows * dim;     // [bs, hkv, dim]: one block of K or V in fp32
-  float* scores = blk + block_elems; // [rows, keys]
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t h = 0; h < hq; ++h) {
-      float* dst = qf + (t * hq + h) * dim;
-      load_row(q + (row0 + t) * g.q_s0 + h * g.q_s1, dst, dim);
-      for (int64_t d = 0; d < dim; ++d) dst[d] *= scale;
-    }
-  auto visible = [&](int64_t r) { return pos0 + r / hq + 1; };
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t first = b * bs, n = std::min(bs, keys - first);
-    load_row(k + table[b] * g.c_s0, blk, n * hkv * dim);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = qf + r * dim;
-      const float* kh = blk + (r % hq) / g.group * dim;
-      for (int64_t i = 0; i < n; ++i) scores[r * keys + first + i] = dot(qr, kh + i * hkv * dim, dim);
-    }
+// One work item's place: its rows are r = t * group + j for token t < nt of the tile and query head
+// head * group + j; row r sees the keys [0, pos0 + t + 1).
+struct Item {
+  const int64_t* table;  // the run's block table
+  int64_t row0, pos0, nt, head;
+  int64_t rows(const Geometry& g) const { return nt * g.group; }
+  int64_t keys() const { return pos0 + nt; }  // the tile's last token sees [0, pos0 + nt)
+  int64_t visible(int64_t r, const Geometry& g) const { return pos0 + r / g.group + 1; }
+  int64_t q_offset(int64_t r, const Geometry& g) const {
+    return (row0 + r / g.group) * g.q_s0 + (head * g.group + r % g.group) * g.q_s1;
   }
-  for (int64_t r = 0; r < rows; ++r) {  // softmax over this row's visible keys, fp32
+  int64_t o_offset(int64_t r, const Geometry& g) const {
+    return (row0 + r / g.group) * g.o_s0 + (head * g.group + r % g.group) * g.o_s1;
+  }
+  // Key/value row i of block b of this item's kv head.
+  int64_t c_offset(int64_t b, int64_t i, const Geometry& g) const { return table[b] * g.c_s0 + i * g.c_s1 + head * g.c_s2; }
+};
+
+// Row r's scores [0, keys) -> probabilities over its visible keys, zero beyond them (so the p.v loops
+// may run over whole blocks). fp32, two passes; exp_approx keeps the loops vectorized.
+inline void softmax_rows(float* scores, int64_t rows, int64_t keys, const Item& it, const Geometry& g) {
+  for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * keys;
-    const int64_t vis = visible(r);
+    const int64_t vis = it.visible(r, g);
     float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
     for (int64_t i = 0; i < vis; ++i) mx = std::max(mx, s[i]);
     float sum = 0.f;
-    for (int64_t i = 0; i < vis; ++i) sum += (s[i] = std::exp(s[i] - mx));
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < vis; ++i) sum += (s[i] = morphserve::exp_approx(s[i] - mx));
     const float inv = 1.f / sum;
+#pragma omp simd
     for (int64_t i = 0; i < vis; ++i) s[i] *= inv;
+    std::fill(s + vis, s + keys, 0.f);
   }
+}
+
+// ---- generic inner loops (any dtype, any shape) ----
+template <typename T, int64_t DIM>
+void attend_generic(const T* q, const T* k, const T* v, T* out, const Item& it, float scale, const Geometry& g,
+                    std::vector<float>& buf) {
+  const int64_t dim = DIM > 0 ? DIM : g.dim, bs = g.block_size, rows = it.rows(g), keys = it.keys();
+  const int64_t nblocks = (keys + bs - 1) / bs;
+  buf.resize(rows * dim * 2 + dim + rows * keys);
+  float* qf = buf.data();          // [rows, dim], pre-scaled
+  float* acc = qf + rows * dim;    // [rows, dim]
+  float* kv = acc + rows * dim;    // [dim]: one key or value row in fp32
+  float* scores = kv + dim;        // [rows, keys]
+  for (int64_t r = 0; r < rows; ++r) {
+    load_row(q + it.q_offset(r, g), qf + r * dim, dim);
+    for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] *= scale;
+  }
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t first = b * bs, n = std::min(bs, keys - first);
+    for (int64_t i = 0; i < n; ++i) {
+      load_row(k + it.c_offset(b, i, g), kv, dim);
+      for (int64_t r = 0; r < rows; ++r) scores[r * keys + first + i] = dot(qf + r * dim, kv, dim);
+    }
+  }
+  softmax_rows(scores, rows, keys, it, g);
   std::fill(acc, acc + rows * dim, 0.f);
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t first = b * bs, n = std::min(bs, keys - first);
-    load_row(v + table[b] * g.c_s0, blk, n * hkv * dim);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* vh = blk + (r % hq) / g.group * dim;
-      const float* p = scores + r * keys + first;
-      float* a = acc + r * dim;
-      const int64_t m = std::min(n, visible(r) - first);
-      for (int64_t i = 0; i < m; ++i) axpy(p[i], vh + i * hkv * dim, a, dim);
+    for (int64_t i = 0; i < n; ++i) {
+      load_row(v + it.c_offset(b, i, g), kv, dim);
+      for (int64_t r = 0; r < rows; ++r)
+        if (first + i < it.visible(r, g)) axpy(scores[r * keys + first + i], kv, acc + r * dim, dim);
     }
   }
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t h = 0; h < hq; ++h) {
-      const float* src = acc + (t * hq + h) * dim;
-      T* dst = out + (row0 + t) * g.o_s0 + h * g.o_s1;
-      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
-    }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + it.o_offset(r, g);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d]);
+  }
 }
+
+#if defined(__AVX512BF16__)
+// ---- bf16 inner loops with AVX512-BF16 ----
+
+// 16 vectors -> one vector whose lane i is the sum of a[i]'s 16 lanes (a transpose-add tree: 45
+// shuffles/adds for 16 sums instead of 16 separate horizontal reductions).
+inline __m512 hsum16(const __m512* a) {
+  __m512 x[8], y[4], z[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)  // per 128-bit lane: partial sums of 4 consecutive vectors
+    y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)  // 128-bit lanes: [y0.q0+q1, y0.q2+q3, y1.q0+q1, y1.q2+q3]
+    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+template <int64_t DIM>
+void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, c10::BFloat16* out,
+                 const Item& it, float scale, const Geometry& g, std::vector<float>& buf) {
+  static_assert(DIM % 32 == 0, "vdpbf16ps takes 32 bf16 per vector");
+  constexpr int64_t kq = DIM / 32, ko = DIM / 16;  // q.k vectors per row; fp32 output vectors per row
+  const int64_t bs = g.block_size, rows = it.rows(g), keys = it.keys(), nblocks = (keys + bs - 1) / bs;
+  const int64_t pkeys = keys + (keys & 1);  // bf16 probabilities, padded to whole key pairs
+  buf.resize(rows * keys + rows * DIM + (rows * pkeys + 1) / 2 + bs * DIM / 2 + 16);
+  float* scores = buf.data();                                                   // [rows, keys]
+  float* acc = scores + rows * keys;                                            // [rows, DIM]
+  auto* p16 = reinterpret_cast<uint16_t*>(acc + rows * DIM);                    // [rows, pkeys] bf16
+  auto* vpairs = reinterpret_cast<c10::BFloat16*>(acc + rows * DIM + (rows * pkeys + 1) / 2);  // [bs/2, DIM, 2]
+  const __m512 vscale = _mm512_set1_ps(scale);
+  // q.k: per row, 16 keys at a time, each key's DIM products summed by vdpbf16ps into one vector.
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t first = b * bs, n = std::min(bs, keys - first);
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - i0);
+      const c10::BFloat16* kr[16];
+      for (int64_t i = 0; i < m; ++i) kr[i] = k + it.c_offset(b, i0 + i, g);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (first + i0 >= it.visible(r, g)) continue;  // none of these keys is visible to row r
+        const c10::BFloat16* qr = q + it.q_offset(r, g);
+        __m512bh qv[kq];
+        for (int64_t c = 0; c < kq; ++c) qv[c] = load_bh(qr + 32 * c);
+        __m512 part[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          part[i] = _mm512_setzero_ps();
+          if (i < m)
+            for (int64_t c = 0; c < kq; ++c) part[i] = _mm512_dpbf16_ps(part[i], qv[c], load_bh(kr[i] + 32 * c));
+        }
+        _mm512_mask_storeu_ps(scores + r * keys + first + i0, static_cast<__mmask16>((1u << m) - 1),
+                              _mm512_mul_ps(hsum16(part), vscale));
+      }
+    }
+  }
+  softmax_rows(scores, rows, keys, it, g);  // invisible keys get p = 0
+  for (int64_t r = 0; r < rows; ++r) {      // p rounded to bf16, round to nearest even
+    uint16_t* dst = p16 + r * pkeys;
+    const float* s = scores + r * keys;
+    int64_t i = 0;
+    for (; i + 16 <= keys; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
+    for (; i < keys; ++i) dst[i] = c10::BFloat16(s[i]).x;
+    if (pkeys > keys) dst[keys] = 0;
+  }
+  // p.v: each block's value rows interleaved in key pairs once ([pair][dim][2], vdpbf16ps's layout),
+  // then per row, per pair, one broadcast of (p_j, p_j+1) and DIM/16 vdpbf16ps into fp32 accumulators.
+  alignas(64) int16_t lo_idx[32], hi_idx[32];
+  for (int j = 0; j < 16; ++j) {
+    lo_idx[2 * j] = j, lo_idx[2 * j + 1] = 32 + j;            // dims j of key a, key b
+    hi_idx[2 * j] = 16 + j, hi_idx[2 * j + 1] = 48 + j;       // dims 16 + j
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  std::fill(acc, acc + rows * DIM, 0.f);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t first = b * bs, n = std::min(bs, keys - first), pairs = (n + 1) / 2;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const c10::BFloat16* va = v + it.c_offset(b, 2 * j, g);
+      const c10::BFloat16* vb = 2 * j + 1 < n ? v + it.c_offset(b, 2 * j + 1, g) : nullptr;
+      for (int64_t c = 0; c < kq; ++c) {
+        const __m512i a = _mm512_loadu_si512(va + 32 * c);
+        const __m512i bb = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+        c10::BFloat16* dst = vpairs + (j * DIM + 32 * c) * 2;
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, bb));
+        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, bb));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t vis = std::min(n, it.visible(r, g) - first);
+      if (vis <= 0) continue;
+      __m512 o[ko];
+      float* ar = acc + r * DIM;
+      for (int64_t c = 0; c < ko; ++c) o[c] = _mm512_loadu_ps(ar + 16 * c);
+      const uint16_t* pr = p16 + r * pkeys + first;  // first is even (even block size): pairs align
+      for (int64_t j = 0; j < (vis + 1) / 2; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, pr + 2 * j, sizeof pair);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+        const c10::BFloat16* vp = vpairs + j * DIM * 2;
+        for (int64_t c = 0; c < ko; ++c) o[c] = _mm512_dpbf16_ps(o[c], pp, load_bh(vp + 32 * c));
+      }
+      for (int64_t c = 0; c < ko; ++c) _mm512_storeu_ps(ar + 16 * c, o[c]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* dst = out + it.o_offset(r, g);
+    for (int64_t c = 0; c < ko; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * DIM + 16 * c)));
+  }
+}
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                   const at::Tensor& row_start, const at::Tensor& num_rows, const at::Tensor& start_pos) {
@@ -138,6 +285,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, const at::Tensor& row_start, const at::Tensor& num_rows,
                            const at::Tensor& start_pos, double scale) {
   check_inputs(q, k_cache, v_cache, block_tables, row_start, num_rows, start_pos);
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
   auto out = at::zeros_like(q, at::MemoryFormat::Contiguous);
   const Geometry g{q.size(1), k_cache.size(2), q.size(1) / k_cache.size(2), q.size(2), k_cache.size(1),
                    q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -147,40 +296,50 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* sp = start_pos.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t nblk_max = block_tables.size(1);
-  // Work items: (run, tile); each covers every kv head. Validate once, up front.
-  std::vector<std::array<int64_t, 2>> tiles;
+  // Work items: (run, kv head, tile). Validate every block id once, up front.
+  std::vector<Item> items;
   for (int64_t r = 0; r < row_start.size(0); ++r) {
     TORCH_CHECK(rs[r] >= 0 && nr[r] >= 0 && rs[r] + nr[r] <= q.size(0) && sp[r] >= 0, "paged_attention: run out of range");
     TORCH_CHECK((sp[r] + nr[r] + g.block_size - 1) / g.block_size <= nblk_max, "paged_attention: block table too short");
-    for (int64_t b = 0; b < (sp[r] + nr[r] + g.block_size - 1) / g.block_size; ++b) {
-      const int64_t id = tables[r * g.table_s0 + b];
-      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "paged_attention: block id ", id, " out of range");
-    }
-    for (int64_t t = 0; t < nr[r]; t += kTileRows) tiles.push_back({r, t});
+    const int64_t* table = tables + r * g.table_s0;
+    for (int64_t b = 0; b < (sp[r] + nr[r] + g.block_size - 1) / g.block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "paged_attention: block id ", table[b], " out of range");
+    for (int64_t t = 0; t < nr[r]; t += kTileRows)
+      for (int64_t h = 0; h < g.hkv; ++h) items.push_back({table, rs[r] + t, sp[r] + t, std::min(kTileRows, nr[r] - t), h});
   }
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "paged_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  const int64_t items = static_cast<int64_t>(tiles.size());
-  auto run = [&]<int64_t DIM>(auto* qp, auto* kp, auto* vp, auto* op) {
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const float fscale = static_cast<float>(scale);
+  auto run = [&](auto attend) {
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
-      for (int64_t w = begin; w < end; ++w) {
-        const auto& [r, t] = tiles[w];
-        attend_item<std::remove_pointer_t<decltype(op)>, DIM>(qp, kp, vp, op, tables + r * g.table_s0, rs[r] + t,
-            sp[r] + t, std::min(kTileRows, nr[r] - t), static_cast<float>(scale), g, buf);
-      }
+      for (int64_t w = begin; w < end; ++w) attend(items[w], buf);
     });
   };
-  auto by_dim = [&](auto* qp, auto* kp, auto* vp, auto* op) {
-    if (g.dim == 64) run.template operator()<64>(qp, kp, vp, op);
-    else if (g.dim == 128) run.template operator()<128>(qp, kp, vp, op);
-    else run.template operator()<0>(qp, kp, vp, op);
+  auto generic = [&]<typename T, int64_t DIM>(const T* qp, const T* kp, const T* vp, T* op) {
+    run([&](const Item& it, std::vector<float>& buf) { attend_generic<T, DIM>(qp, kp, vp, op, it, fscale, g, buf); });
   };
-  if (q.scalar_type() == at::kFloat)
-    by_dim(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
-  else
-    by_dim(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-           out.data_ptr<c10::BFloat16>());
+  if (q.scalar_type() == at::kFloat) {
+    const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    if (g.dim == 64) generic.template operator()<float, 64>(qp, kp, vp, op);
+    else generic.template operator()<float, 0>(qp, kp, vp, op);
+    return out;
+  }
+  using B = c10::BFloat16;
+  const B *qp = q.data_ptr<B>(), *kp = k_cache.data_ptr<B>(), *vp = v_cache.data_ptr<B>();
+  B* op = out.data_ptr<B>();
+#if defined(__AVX512BF16__)
+  if (kHaveBf16Dot && g.block_size % 2 == 0 && (g.dim == 32 || g.dim == 64 || g.dim == 128)) {
+    auto fast = [&]<int64_t DIM>() {
+      run([&](const Item& it, std::vector<float>& buf) { attend_bf16<DIM>(qp, kp, vp, op, it, fscale, g, buf); });
+    };
+    if (g.dim == 32) fast.template operator()<32>();
+    else if (g.dim == 64) fast.template operator()<64>();
+    else fast.template operator()<128>();
+    return out;
+  }
+#endif
+  if (g.dim == 64) generic.template operator()<B, 64>(qp, kp, vp, op);
+  else generic.template operator()<B, 0>(qp, kp, vp, op);
   return out;
 }
 
