@@ -3,8 +3,10 @@
 It keeps each replica's recent snapshots, runs the same pure policy for it, and adds the fleet rules:
   * accuracy budget: at most `fleet_max_quantized_layers` quantized layers over all replicas; when
     replicas together want more, the budget goes to those under most pressure first (the others are
-    capped, and restore if they hold more than their share); what no policy targets is shared out as
-    admission headroom, so every replica can still morph at admission within its part;
+    capped, and restore if they hold more than their share); on top of its target each replica gets
+    admission headroom sized by its last report (its queue's KV deficit plus one policy step), so it
+    can still morph at admission, never further than its own admission sizing would; the rest of the
+    budget stays unreserved for whoever reports a deficit next;
   * scale-out: a replica that stays at its morph cap under sustained pressure for
     `scale_out_after_s` (measured on its own snapshot clock) asks for another replica: only then does
     its directive carry `scale_out`, which the replica hands to Ray Serve's autoscaler;
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 from controller.directive import Directive
 from controller.fleet_metrics import FleetMetrics, GaugeBackend
-from controller.policy import current_target, decide, morph_cap, pressure_score
+from controller.policy import admission_headroom, current_target, decide, morph_cap, pressure_score
 from controller.policy_config import FleetConfig
 from controller.saturation import SaturationTimer, compute_bound, is_saturated
 from controller.slo import SloState, tune, tuning_for
@@ -113,12 +115,16 @@ class FleetController:
 
     def _grants(self) -> dict[str, int]:
         """Each replica's share of the fleet budget; empty when there is no fleet cap. First what each
-        replica's own policy targets, to those under most pressure first; then what is left of the
-        budget is shared out as admission headroom, in the same order, each taking its part of what
-        remains (rounded up) up to its mode cap. That headroom is what lets a replica's engine morph at
-        admission the moment a request does not fit (engine/morph/admission.py), as it would with its
-        local policy; without it a replica could morph only after the sampled policy saw pressure
-        sustained over several reports, so bursts queued, and it stepped further down than it needed."""
+        replica's own policy targets, to those under most pressure first; then admission headroom, in
+        the same order, beyond what each is heading to and sized by its last report (`admission_headroom`):
+        the layers that free its queue's KV deficit plus one policy step for what arrives before its next
+        report, up to its mode cap. That headroom is what lets a replica's engine morph at admission the
+        moment a request does not fit (engine/morph/admission.py), as it would with its local policy, and
+        it is never more than its own admission sizing would take for the queue it reported (so the fleet
+        does not quantize further than a local replica would). What no replica's demand asks for stays unreserved:
+        a share handed to a quiet replica counts against the others (`_allowance`), so it would hold back
+        the next pressed replica's admission morphs until the quiet one reported again. A replica whose
+        report cannot size its deficit (no gain figure) gets its part of what remains, rounded up."""
         budget = self._config.fleet_max_quantized_layers
         if budget is None:
             return {}
@@ -130,8 +136,14 @@ class FleetController:
             grants[rid] = min(demand[rid], remaining)
             remaining -= grants[rid]
         for i, rid in enumerate(order):
-            part = -(-remaining // (len(order) - i))  # ceil: the more pressed take the odd layer
-            extra = max(0, min(part, morph_cap(self._replicas[rid].state, policy) - grants[rid]))
+            view = self._replicas[rid]
+            headroom = admission_headroom(view.history[-1] if view.history else None, policy.active)
+            if headroom is None:
+                wanted = grants[rid] + -(-remaining // (len(order) - i))  # ceil: the more pressed take the odd layer
+            else:
+                wanted = max(demand[rid], current_target(view.state)) + headroom
+            extra = max(0, min(wanted, morph_cap(view.state, policy)) - grants[rid])
+            extra = min(extra, remaining)
             grants[rid] += extra
             remaining -= extra
         return grants

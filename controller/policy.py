@@ -76,6 +76,42 @@ def morph_cap(state: MorphState, config: PolicyConfig, cap: int | None = None) -
     return max(limit, state.forced_quantized)
 
 
+def deficit_layers(s: PressureSnapshot, mode: ActiveMode) -> int | None:
+    """Layers at the mode's rung that free the KV deficit of the snapshot's whole queue (its demand
+    less the blocks not owed to running requests): what admission sizing (engine/morph/sizing.py) would
+    swap for that queue, from the snapshot's figures. `rung_gain_blocks` is the growth one more layer
+    allows, free ledger bytes included: floor((free + gain) / block), so gain >= that x block - free,
+    and the layers are counted at that lower bound (never fewer than the engine's sizing takes, for
+    layers of one size). 0 when nothing is lacking; None when the snapshot has no gain figure for the
+    rung (an engine without admission morphing, a test double)."""
+    deficit = s.waiting_demand_blocks - s.available_blocks
+    if deficit <= 0:
+        return 0
+    gains = dict(s.rung_gain_blocks)
+    if mode.precision.value not in gains:
+        return None
+    first = gains[mode.precision.value]
+    block_bytes = s.ledger.kv // s.kv_capacity_blocks if s.kv_capacity_blocks else 0
+    free = max(0, s.ledger.free)
+    if first <= 0 or block_bytes <= 0:
+        return 0 if first <= 0 else 1  # no room left to grow into: more layers free nothing
+    gain = first * block_bytes - free
+    if gain <= 0:  # the first layer frees no whole block beyond the free bytes (or the room caps it)
+        return 1
+    return max(0, -(-(deficit * block_bytes - free) // gain))
+
+
+def admission_headroom(s: PressureSnapshot | None, mode: ActiveMode) -> int | None:
+    """Layers beyond what a replica is heading to that it may morph at admission before its next report:
+    what frees its queue's deficit (`deficit_layers`, what its own admission sizing would take for the
+    queue it reported) plus one policy step (`layers_per_action`) for what arrives between reports.
+    None: the snapshot cannot size it (the caller gives what is left, as before the figures existed)."""
+    if s is None:
+        return mode.layers_per_action
+    need = deficit_layers(s, mode)
+    return None if need is None else need + mode.layers_per_action
+
+
 def pressure_sustained(history: Sequence[PressureSnapshot], config: PolicyConfig, mode: ActiveMode) -> bool:
     if sustained(history, config.enter_after, lambda s: is_pressured(s, mode)):
         return True

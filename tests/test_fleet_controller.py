@@ -128,9 +128,10 @@ def test_max_quantized_is_derived_from_the_same_grant_the_fleet_allows():
     assert d.max_quantized == 6 and d.grant <= 4
 
 
-def test_what_no_policy_targets_is_shared_as_admission_headroom_most_pressed_first():
-    """Quiet replicas are not held at 0: each may morph at admission within its part of the budget (the
-    local policy's fast path), and the parts never add up to more than the budget."""
+def test_admission_headroom_is_one_policy_step_for_quiet_replicas_and_the_rest_stays_unreserved():
+    """Quiet replicas are not held at 0: each may morph at admission one policy step beyond its target
+    (the local policy's fast path), the parts never add up to more than the budget, and what nobody's
+    demand asks for is reserved to nobody."""
     fleet = FleetController(FleetConfig(fleet_max_quantized_layers=5), clock=FakeClock())
     a, b = FakeReplica("a", 0.1, 0.0), FakeReplica("b", 0.1, 0.0)
     last = {}
@@ -139,15 +140,123 @@ def test_what_no_policy_targets_is_shared_as_admission_headroom_most_pressed_fir
             last[r.replica_id] = fleet.report(r.replica_id, r.snapshot(), r.state)
             assert sum(d.max_quantized for d in last.values()) <= 5
     assert {d.target_quantized for d in last.values()} == {0}  # nobody is told to morph ...
-    assert sorted(d.max_quantized for d in last.values()) == [2, 3]  # ... but both may, at admission
+    assert sorted(d.max_quantized for d in last.values()) == [2, 2]  # ... but both may, one step, at admission
+    assert fleet.status()["totals"]["granted_layers"] == 4  # one layer is left for whoever needs it
     # The pressure moves to b: its part grows, and a's shrinks before b's grows past the rest.
     b.kv_usage, b.queue_delay = 0.99, 0.5
     for _ in range(6):
         for r in (b, a):
             last[r.replica_id] = fleet.report(r.replica_id, r.snapshot(), r.state)
             assert sum(d.max_quantized for d in last.values()) <= 5
-    assert last["b"].target_quantized == 2  # its own policy's target comes first, then its part of the rest
+    assert last["b"].target_quantized == 2  # its own policy's target comes first, then its headroom
     assert last["b"].max_quantized == 4 and last["a"].max_quantized == 1
+
+
+# -- admission headroom sized by the reported demand -----------------------------------------------
+GAIN = 10  # KV blocks one more INT4 layer frees in BurstReplica (no free ledger bytes)
+
+
+class BurstReplica(FakeReplica):
+    """Reports demand figures the way the engine does: `queue` waiting requests of 10 blocks each,
+    and the blocks one more layer frees at each rung. Applies a directive's target, or at admission
+    (as engine/morph/admission.py does) the fewest layers under its grant that fit the whole queue."""
+
+    def __init__(self, replica_id: str, queue: int = 0):
+        super().__init__(replica_id, 0.5, 0.0)
+        self.queue = queue
+
+    def snapshot(self) -> PressureSnapshot:
+        s = super().snapshot()
+        cap = self.state.kv_capacity_blocks
+        used = round(self.kv_usage * cap)
+        kv_bytes = cap * 100
+        return dataclasses.replace(
+            s, num_waiting=self.queue, waiting_demand_blocks=10 * self.queue,
+            head_demand_blocks=10 if self.queue else 0, queue_delay_s=0.5 if self.queue else 0.0,
+            rung_gain_blocks=(("int8", GAIN // 2), ("int4", GAIN)),
+            ledger=LedgerFigures(budget=1000 + kv_bytes, weights=1000 - 50, kv=kv_bytes, reserve=50),
+            kv_used_blocks=used)
+
+    def deficit(self) -> int:
+        cap = self.state.kv_capacity_blocks
+        return 10 * self.queue - (cap - round(self.kv_usage * cap))
+
+    def admit(self, directive: Directive) -> None:
+        """Admission sizing: the fewest layers that free the deficit, within max_quantized."""
+        need = -(-max(0, self.deficit()) // BLOCKS_PER_LAYER)
+        count = min(directive.max_quantized, max(self.state.num_quantized, directive.target_quantized) + need)
+        FakeReplica.apply(self, dataclasses.replace(directive, target_quantized=count))
+
+
+@pytest.mark.parametrize("budget", [4, 12])  # scarcer than the pressed replica wants; two mode caps
+def test_a_burst_on_one_replica_gets_the_headroom_first_and_never_more_than_its_admission_sizing(budget):
+    """The pressed replica's grant covers its reported deficit (plus one step), ahead of the quiet one;
+    no grant is more than a local replica's admission would take for the same queue (the quiet one's:
+    one step); the layers held never exceed the budget."""
+    policy = PolicyConfig()  # balanced: cap 6 of 10 layers, 2 per step
+    step, cap = policy.active.layers_per_action, policy.active.cap_layers(NUM_LAYERS)
+    fleet = FleetController(FleetConfig(policy=policy, fleet_max_quantized_layers=budget), clock=FakeClock())
+    hot, quiet = BurstReplica("hot"), BurstReplica("quiet")
+    for r in (hot, quiet):
+        fleet.report(r.replica_id, r.snapshot(), r.state)
+    hot.queue = 7  # 70 blocks against 50 available: 2 layers' worth
+    for _ in range(8):
+        for r in (hot, quiet):
+            held = r.state.num_quantized
+            need = -(-max(0, r.deficit()) // GAIN)
+            d = fleet.report(r.replica_id, r.snapshot(), r.state)
+            assert d.max_quantized <= max(d.target_quantized, held) + need + step  # its own sizing + one step
+            if r is quiet:
+                assert d.max_quantized <= step
+            r.admit(d)
+            assert hot.state.num_quantized + quiet.state.num_quantized <= budget
+        hot.queue = max(0, hot.queue - 1)  # admitted requests leave the queue over the next reports
+    assert quiet.state.num_quantized == 0
+    assert hot.state.num_quantized == 2  # what its queue needed, no more
+    status = fleet.status()["replicas"]
+    assert status["hot"]["grant"] + status["quiet"]["grant"] <= budget
+    # The first grant the pressed replica saw after its burst: what its queue needed, before the quiet one.
+    hot2, quiet2 = BurstReplica("hot2"), BurstReplica("quiet2")
+    fleet2 = FleetController(FleetConfig(policy=policy, fleet_max_quantized_layers=budget), clock=FakeClock())
+    for r in (quiet2, hot2):
+        fleet2.report(r.replica_id, r.snapshot(), r.state)
+    hot2.queue = 9  # 4 layers' worth
+    d = fleet2.report("hot2", hot2.snapshot(), hot2.state)
+    assert d.max_quantized == min(cap, 4 + step, budget - step)  # the quiet one still holds its step until it reports
+    wanted = min(cap, 4 + step)  # the pressed one's share comes first; the quiet one gets a step of what is left
+    assert fleet2.report("quiet2", quiet2.snapshot(), quiet2.state).max_quantized == max(0, min(step, budget - wanted))
+    assert fleet2.report("hot2", hot2.snapshot(), hot2.state).max_quantized == min(cap, 4 + step, budget)
+
+
+def test_the_old_even_split_no_longer_holds_back_a_burst():
+    """A quiet replica is reserved one policy step, not half of the budget: the pressed one's admission
+    can take what its queue needs (up to its mode cap) at its next report, not after the quiet one's."""
+    policy = PolicyConfig()  # balanced: cap 6 of 10 layers, 2 per step
+    fleet = FleetController(FleetConfig(policy=policy, fleet_max_quantized_layers=8), clock=FakeClock())
+    hot, quiet = BurstReplica("hot"), BurstReplica("quiet")
+    for r in (hot, quiet):
+        fleet.report(r.replica_id, r.snapshot(), r.state)
+    hot.queue = 9  # 90 blocks against 50 available: 4 layers
+    d = fleet.report("hot", hot.snapshot(), hot.state)
+    assert d.max_quantized == 6  # 4 for the deficit + one step, capped by the mode's 6 (was 4: an even split)
+    hot.admit(d)
+    assert hot.state.num_quantized == 4  # admission sizing takes only what the queue needs
+    assert fleet.report("quiet", quiet.snapshot(), quiet.state).max_quantized == 2
+
+
+def test_headroom_follows_the_demand_down():
+    """Once the queue is gone the headroom shrinks back to one policy step above what the replica holds."""
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=10), clock=FakeClock())
+    r = BurstReplica("r", queue=9)
+    assert fleet.report("r", r.snapshot(), r.state).max_quantized == 6  # 4 for its deficit + a step
+    r.queue = 0  # served without morphing (requests finished)
+    assert fleet.report("r", r.snapshot(), r.state).max_quantized == 2
+    r.queue = 7
+    d = fleet.report("r", r.snapshot(), r.state)
+    r.admit(d)
+    assert (d.max_quantized, r.state.num_quantized) == (4, 2)
+    r.queue = 0
+    assert fleet.report("r", r.snapshot(), r.state).max_quantized == 4  # what it holds + a step
 
 
 def test_a_forgotten_replica_gives_its_grant_back():

@@ -219,3 +219,46 @@ def test_directive_rejects_bad_values():
         Directive(-1, Precision.INT4, "balanced", "", "local")
     with pytest.raises(ValueError, match="max_layers_per_step"):
         Directive(1, Precision.INT4, "balanced", "", "local").to_action(0)
+
+
+# -- admission headroom (the fleet's grant beyond a replica's target) -------------------------------
+def _demand_snap(waiting: int, used: int, capacity: int, block: int, free: int, gain: int) -> PressureSnapshot:
+    from engine.morph.sizing import growth_blocks
+
+    first = growth_blocks(free, block, 10**6, [gain])[1]
+    return dataclasses.replace(
+        snap(1.0, used / capacity, capacity), kv_used_blocks=used, waiting_demand_blocks=waiting,
+        head_demand_blocks=waiting, num_waiting=1, rung_gain_blocks=(("int8", first // 2), ("int4", first)),
+        ledger=LedgerFigures(budget=capacity * block + free + 100, weights=100, kv=capacity * block, reserve=0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(block=st.integers(50, 500), per_block=st.integers(8, 30), free=st.integers(0, 1500),
+       capacity=st.integers(20, 100), used_frac=st.floats(0.0, 1.0), waiting=st.integers(0, 300))
+def test_deficit_layers_never_falls_short_of_the_engines_admission_sizing(block, per_block, free, capacity,
+                                                                          used_frac, waiting):
+    """The policy's estimate from a snapshot, against engine/morph/sizing.py on the same figures: never
+    fewer layers (the grant does not make admission wait for the next report), and close above."""
+    from controller.policy import deficit_layers
+    from engine.morph.sizing import growth_blocks, plan_admission
+
+    gain, used = per_block * block, round(used_frac * capacity)
+    plan = plan_admission((waiting,) if waiting else (), capacity - used,
+                          growth_blocks(free, block, 10**6, [gain] * 60))
+    need = deficit_layers(_demand_snap(waiting, used, capacity, block, free, gain), PolicyConfig().active)
+    expected = plan.layers if waiting and capacity - used < waiting else 0
+    assert expected <= need <= expected + expected // 7 + 1
+
+
+def test_admission_headroom_is_the_deficit_plus_one_step_and_unknown_without_figures():
+    from controller.policy import admission_headroom
+
+    mode = PolicyConfig().active  # balanced: 2 layers per step, INT4
+    block = 100
+    # 60 blocks lacking at 10 blocks per layer (no free bytes): 6 layers, + one step
+    s = _demand_snap(waiting=100, used=60, capacity=100, block=block, free=0, gain=10 * block)
+    assert admission_headroom(s, mode) == 6 + 2
+    assert admission_headroom(dataclasses.replace(s, waiting_demand_blocks=0), mode) == 2  # nothing lacking
+    assert admission_headroom(None, mode) == 2  # no report yet: one step
+    assert admission_headroom(dataclasses.replace(s, rung_gain_blocks=()), mode) is None  # cannot size it
+    assert admission_headroom(dataclasses.replace(s, rung_gain_blocks=(("int4", 0),)), mode) == 2  # no room to grow
