@@ -12,7 +12,7 @@ from engine.morph.actions import SwapLayer
 from engine.precision import Precision
 from engine.quant import Int4Linear, quantize_int4
 from engine.quant.fused import fuse_quantized
-from engine.quant.int4_kernel import amx_min_rows, set_amx_min_rows
+from engine.quant.dispatch import amx_dispatch, set_amx_dispatch, update_amx_dispatch
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
 from tests.kernel_dispatch import assert_dispatch_by_rows
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(int4_amx_reason() is not None, reason=f"INT4 AMX
 @pytest.fixture
 def threshold():
     """Restores the process-wide INT4 dispatch threshold a test changes."""
-    before = amx_min_rows()
-    yield set_amx_min_rows
-    set_amx_min_rows(before)
+    before = amx_dispatch()
+    yield lambda rows: update_amx_dispatch(int4_min_rows=rows)
+    set_amx_dispatch(before)
 
 
 def test_amx_op_matches_the_int4_kernel_and_is_row_invariant(threshold):
@@ -63,7 +63,7 @@ def test_linears_dispatch_by_rows(threshold):
 def test_int4_layers_are_batch_invariant_with_amx_from_one_row(tiny_model_dir, tmp_path, threshold):
     """int4_amx_min_rows=1: every INT4 matmul is the row-invariant AMX op, so alone == batched exactly."""
     engine = engine_for(tiny_model_dir, tmp_path, int4_amx_min_rows=1)
-    assert amx_min_rows() == 1
+    assert amx_dispatch().int4_min_rows == 1
     for i in range(engine.model.config.num_layers):
         assert engine.apply(SwapLayer(i, Precision.INT4)).status == "done"
     assert engine.model.layers[0].down_proj.amx  # 128 -> 64: one AMX column block

@@ -13,7 +13,7 @@ from engine.precision import Precision
 from engine.quant import Int8Linear, quantize_int8
 from engine.quant.fused import fuse_quantized
 from engine.quant.awq import LayerWeights
-from engine.quant.int8 import int8_amx_min_rows, set_int8_amx_min_rows
+from engine.quant.dispatch import amx_dispatch, set_amx_dispatch, update_amx_dispatch
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
 from tests.kernel_dispatch import assert_dispatch_by_rows
@@ -25,9 +25,9 @@ BF16_UNIT = 2.0 ** -8  # relative rounding of one bf16 value
 @pytest.fixture
 def threshold():
     """Restores the process-wide INT8 dispatch threshold a test changes."""
-    before = int8_amx_min_rows()
-    yield set_int8_amx_min_rows
-    set_int8_amx_min_rows(before)
+    before = amx_dispatch()
+    yield lambda rows: update_amx_dispatch(int8_min_rows=rows)
+    set_amx_dispatch(before)
 
 
 @pytest.mark.parametrize("n, k", [(16, 64), (48, 128), (80, 64), (576, 576), (192, 1536)])
@@ -84,7 +84,7 @@ def test_int8_layers_are_batch_invariant_with_amx_from_one_row(tiny_model_dir, t
     """int8_amx_min_rows=1: every INT8 matmul is the row-invariant AMX op, so alone == batched exactly; a
     restore gives back the full-precision layer bit for bit."""
     engine = engine_for(tiny_model_dir, tmp_path, int8_amx_min_rows=1)
-    assert int8_amx_min_rows() == 1
+    assert amx_dispatch().int8_min_rows == 1
     prompts = mixed_prompts(n=8, seed=7)
     before = generate(engine, prompts)
     for i in range(engine.model.config.num_layers):

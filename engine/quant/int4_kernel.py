@@ -15,7 +15,7 @@ The probe hash fingerprints the CPU packing itself (a fixed code matrix packed i
 a build whose packing differs gets another key even if version and ISA agree.
 
 Which matmul reads the CPU layout (`kernel_mm(..., amx=True)` for eligible weights, see `amx_eligible`):
-torch's `_weight_int4pack_mm_for_cpu` below `amx_min_rows` rows, the engine's AMX op
+torch's `_weight_int4pack_mm_for_cpu` below `int4_min_rows` rows (quant/dispatch.py), the engine's AMX op
 (engine/kernels/int4_amx.cpp, same bytes) from there up. torch's kernel has no AMX path, and from a few
 rows up it is slower than the packed bf16 linear; the AMX op dequantizes each call's weight once, which
 costs more than torch's kernel at 1-4 rows. Both are row-invariant (a row's output does not depend on
@@ -32,23 +32,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.quant.dispatch import amx_dispatch
 from engine.quant.int4_record import Int4Weight
 from engine.quant.int8 import KERNEL_DTYPE, kernel_works
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 DEQUANT_LAYOUT = "dequant"
 _AMX_BLOCK_N = 64  # the AVX512 int4pack layout's column block, which the AMX op reads
-# Rows from which eligible CPU INT4 matmuls use the AMX op; None = never. Process-wide like torch's thread
-# count: the engine sets it from EngineConfig.int4_amx_min_rows when it builds (engine_builder.py).
-_dispatch: dict[str, int | None] = {"amx_min_rows": None}
-
-
-def set_amx_min_rows(rows: int | None) -> None:
-    _dispatch["amx_min_rows"] = rows
-
-
-def amx_min_rows() -> int | None:
-    return _dispatch["amx_min_rows"]
 
 
 @functools.cache
@@ -97,7 +87,7 @@ def amx_eligible(layout: str, n: int, k: int, group_size: int) -> bool:
 def kernel_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor, amx: bool = False) -> Tensor:
     """x [rows, in] bf16 -> [rows, out]. `amx`: the weight is `amx_eligible` (the caller knows its layout)."""
     if packed.device.type == "cpu":
-        threshold = _dispatch["amx_min_rows"]
+        threshold = amx_dispatch().int4_min_rows
         if amx and threshold is not None and x.shape[0] >= threshold:
             return torch.ops.morphserve.int4_amx_mm(x, packed, group_size, scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)

@@ -10,7 +10,7 @@ kernel path always computes in bf16 and returns the caller's dtype; the dequanti
 on this device) computes in the caller's dtype.
 
 From a few rows up torch's kernel is 2-3x slower than the packed bf16 linear (no AMX path), so from
-`int8_amx_min_rows` rows (EngineConfig.int8_amx_min_rows, default 1: always) eligible CPU weights go to the
+`int8_min_rows` rows (quant/dispatch.py; EngineConfig.int8_amx_min_rows, default 1: always) eligible CPU weights go to the
 engine's AMX-INT8 op (engine/kernels/int8_amx.cpp: the same int8 codes and fp32 scales, no relayout; the
 activations on a 16-bit grid per row, split exactly into two int8 halves). Both are row-invariant but
 round differently, so with a threshold above 1 a request's INT8 outputs can differ with the step's row
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.precision import Precision
+from engine.quant.dispatch import amx_dispatch
 
 KERNEL_DTYPE = torch.bfloat16  # the dtype the packed kernels compute in (see module docstring)
 _QMAX = 127  # symmetric range [-127, 127]: -128 is never used so that |w - dq| <= scale / 2
@@ -83,19 +84,6 @@ def quantize_int8(weight: Tensor) -> Int8Weight:
 
 
 _AMX_N, _AMX_K = 16, 64  # the AMX op's tile multiples (output rows, input columns)
-# Rows from which eligible CPU INT8 matmuls use the AMX op; None = never. Process-wide like torch's thread
-# count: the engine sets it from EngineConfig.int8_amx_min_rows when it builds (engine_builder.py).
-_dispatch: dict[str, int | None] = {"amx_min_rows": None}
-
-
-def set_int8_amx_min_rows(rows: int | None) -> None:
-    _dispatch["amx_min_rows"] = rows
-
-
-def int8_amx_min_rows() -> int | None:
-    return _dispatch["amx_min_rows"]
-
-
 def int8_amx_eligible(qweight: Tensor) -> bool:
     """Whether the AMX op can read this [out, in] weight: on CPU, tile-multiple shape, the op built and usable
     here (engine.kernels.int8_amx_reason says why not)."""
@@ -106,7 +94,7 @@ def int8_amx_eligible(qweight: Tensor) -> bool:
 
 def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, amx: bool = False) -> Tensor:
     """x [rows, in] bf16 -> [rows, out] bf16 with fp32 per-row `scales`. `amx`: the weight is `int8_amx_eligible`."""
-    threshold = _dispatch["amx_min_rows"]
+    threshold = amx_dispatch().int8_min_rows
     if amx and threshold is not None and x.shape[0] >= threshold:
         return torch.ops.morphserve.int8_amx_mm(x, qweight, scales)
     return torch.ops.aten._weight_int8pack_mm(x, qweight, scales.to(KERNEL_DTYPE))

@@ -35,8 +35,7 @@ from engine.quant.awq import LayerWeights
 from engine.capability import detect_capability
 from engine.config import EngineConfig
 from engine.kernels import int4_amx_reason, int8_amx_reason
-from engine.quant.int4_kernel import set_amx_min_rows
-from engine.quant.int8 import set_int8_amx_min_rows
+from engine.quant.dispatch import update_amx_dispatch
 from engine.precision import Precision, resolve_dtype
 from engine.quant.awq import quantize_layer_rtn
 
@@ -98,7 +97,7 @@ def bench(model: Transformer, switches: dict[str, LayerSwitch], order: Sequence[
                 switches[rung].quantize(i)
             try:
                 for m in amx_min_rows:
-                    set_amx_min_rows(m)
+                    update_amx_dispatch(int4_min_rows=m)
                     for (b, a), (runner, step) in runners.items():
                         t = time_steps(runner, step, steps, clock)
                         if r > 0:  # round 0 warms caches and the kernels' packing paths
@@ -141,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     amx_rows = [None if v in ("never", "None") else int(v) for v in args.int4_amx_min_rows]
-    set_int8_amx_min_rows(None if args.int8_amx_min_rows in ("never", "None") else int(args.int8_amx_min_rows))
+    update_amx_dispatch(int8_min_rows=None if args.int8_amx_min_rows in ("never", "None") else int(args.int8_amx_min_rows))
     loaded = load_model(args.model, resolve_dtype(args.dtype, args.device), args.device)
     name, model = loaded.files.name, loaded.model
     num_layers = model.config.num_layers

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from engine.capability import detect_capability
 from engine.kernels import int4_amx_op, int4_amx_reason, int8_amx_op, int8_amx_reason
 from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
-from engine.quant.int4_kernel import set_amx_min_rows
+from engine.quant.dispatch import update_amx_dispatch
 from engine.quant.int4_record import unpack_nibbles
 
 SHAPES = [(576, 576), (576, 960), (576, 3072), (1536, 576)]  # (in_features, out_features)
@@ -126,7 +126,7 @@ def time_cell(layers: list[dict[str, Callable[[], torch.Tensor]]], rounds: int, 
 def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool,
         shapes: list[tuple[int, int]] = SHAPES, only: set[str] | None = None) -> list[dict]:
     out = []
-    set_amx_min_rows(None)  # `int4_tinygemm` is Int4Linear on torch's kernel; the AMX op is its own candidate
+    update_amx_dispatch(int4_min_rows=None)  # `int4_tinygemm` is Int4Linear on torch's kernel; the AMX op is its own candidate
     xs: list[torch.Tensor] = [torch.empty(0)]
     with torch.inference_mode():
         for in_f, out_f in shapes:
