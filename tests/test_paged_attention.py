@@ -187,3 +187,42 @@ def test_head_dims_of_real_models_match_the_reference(dim, hq, hkv):
     for (row, n, start), table in zip(runs, tables):
         ref = gather_reference(q[row:row + n], kc, vc, table, start, dim ** -0.5)
         torch.testing.assert_close(out[row:row + n].double(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("n,start,hq,hkv,dim", [(1, 0, 9, 3, 64), (70, 0, 9, 3, 64), (129, 0, 4, 4, 128),
+                                                 (50, 37, 9, 3, 64), (64, 192, 6, 2, 32)])
+def test_amx_prefill_attention_is_causal_with_offset(n, start, hq, hkv, dim):
+    """The AMX prefill op (causal_attention.cpp): rows at positions start + i see keys <= their own, across
+    64-key blocks and partial ones, GQA and MHA; against the float64 reference and the SDPA route."""
+    from engine.kernels import causal_attention_op, causal_attention_reason
+    if causal_attention_reason() is not None:
+        pytest.skip(causal_attention_reason())
+    g = torch.Generator().manual_seed(n + start)
+    qkv = torch.randn(n, hq + 2 * hkv, dim, generator=g).to(torch.bfloat16)  # strided views, as the model's
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    if start:
+        k = torch.cat([torch.randn(start, hkv, dim, generator=g).to(torch.bfloat16), k])
+        v = torch.cat([torch.randn(start, hkv, dim, generator=g).to(torch.bfloat16), v])
+    out = causal_attention_op()(q, k, v, start, dim ** -0.5)
+    group = hq // hkv
+    kd, vd = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kd) * dim ** -0.5
+    visible = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vd)
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=visible, scale=dim ** -0.5, enable_gqa=True).squeeze(0).transpose(0, 1)
+    torch.testing.assert_close(out.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_amx_prefill_attention_rejects_bad_shapes():
+    from engine.kernels import causal_attention_op, causal_attention_reason
+    if causal_attention_reason() is not None:
+        pytest.skip(causal_attention_reason())
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(5, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"positions \[0, start \+ n\)"):
+        causal_attention_op()(q, kv, kv, 0, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        causal_attention_op()(q.float(), kv.float(), kv.float(), 1, 0.125)

@@ -1,6 +1,6 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int8_amx_op()`
+`paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int8_amx_op()`
 are the ops, or None when the library is not built or is older than its sources (the callers then use
 their torch-only path, and `available_reason()` says why). The AMX ops also need a CPU with AMX (BF16
 for INT4, INT8 for INT8) at run time and a library compiled for it (int4_amx.cpp and int8_amx.cpp are
@@ -15,7 +15,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp",
-           HERE / "fused_elementwise.cpp")
+           HERE / "fused_elementwise.cpp", HERE / "causal_attention.cpp")
 HEADERS = (HERE / "simd_math.h",)  # included by the sources: a change rebuilds too
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
@@ -101,6 +101,15 @@ def mkldnn_blob_reason() -> str | None:
 
 def int4_amx_op():
     return None if int4_amx_reason() else torch.ops.morphserve.int4_amx_mm
+
+
+def causal_attention_reason() -> str | None:
+    """None when `torch.ops.morphserve.causal_attention` (AMX prefill attention) can run here, else why not."""
+    return _amx_reason("causal_attention", "amx_bf16", "bf16 prefill chunks use SDPA")
+
+
+def causal_attention_op():
+    return None if causal_attention_reason() else torch.ops.morphserve.causal_attention
 
 
 def int8_amx_reason() -> str | None:

@@ -36,7 +36,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import paged_attention_op
+from engine.kernels import causal_attention_op, paged_attention_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +127,23 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         end = c.start_pos + q.shape[0]
         keys, values = _gather(k_cache, c.block_ids)[:end], _gather(v_cache, c.block_ids)[:end]
         keys, values, mask, causal = keys.to(q.dtype), values.to(q.dtype), c.mask, False
+    if (op := _amx_causal_for(q, keys)) is not None:
+        return op(q, keys, values, c.start_pos, scale)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                          values.transpose(0, 1).unsqueeze(0), attn_mask=mask,
                                          is_causal=causal, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _amx_causal_for(q: torch.Tensor, keys: torch.Tensor):
+    """The AMX prefill op (engine/kernels/causal_attention.cpp) when it takes these tensors, else None
+    (SDPA then). It walks 64-key blocks to the diagonal; SDPA's CPU kernel walks 512-key blocks and so
+    computes about 75% of a 1,024-token prompt's score matrix, not its causal half."""
+    if (q.device.type != "cpu" or q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16
+            or q.shape[-1] % 32 or q.shape[-1] > 256 or q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]
+            or keys.stride(-1) != 1):
+        return None
+    return causal_attention_op()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
