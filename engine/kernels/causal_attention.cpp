@@ -23,8 +23,6 @@
 #include <limits>
 #include <vector>
 
-#include "simd_math.h"
-
 namespace {
 
 constexpr int64_t kBq = 64;  // query tokens per work item (times the GQA group: its rows)
@@ -69,8 +67,8 @@ struct Scratch {
 };
 
 // exp(x) for 16 lanes, x <= 0 (a score minus its row's max): 2^n * p(r), |r| <= ln2/2, degree-5
-// polynomial (relative error ~2e-7; p is rounded to bf16 after anyway). Intrinsics, not exp_approx:
-// this loop is the kernel's hot spot and the compiler's scalar-reduction code for it was 3x slower.
+// polynomial (relative error ~2e-7; p is rounded to bf16 after anyway), vscalefps for the 2^n. The
+// kernel's hot loop: one per 16 scores.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -86,35 +84,49 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One row's scores of one 64-key block -> p (bf16, zero past its `lim` visible keys), updating its
-// running max m (of scaled scores) and sum l; returns the factor its accumulated output must be
-// scaled by (1 when the max did not move).
-inline float online_softmax_row(const float* s, int64_t lim, float scale, float& m, float& l, BF* p) {
+// Rows [r0, r0 + nr) (nr <= 16) of one 64-key block's scores -> p (bf16, zero where a row does not see
+// a key), their running max m (of scaled scores) and sum l updated, their accumulated outputs o
+// rescaled. Branch-free over the rows: whether a row's max moved, masked rows and the diagonal are
+// data, not control flow (per-row branches on them mispredicted on most blocks). m, l, o: the item's.
+inline void softmax_rows16(const float* s, int64_t r0, int64_t nr, int64_t first_key, int64_t pos0, int64_t group,
+                           float scale, float* m, float* l, float* o, int64_t D, BF* p) {
   static_assert(kBk == 64, "four 16-lane vectors per row");
-  __mmask16 live[4];
-  __m512 x[4];
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 mx = neg_inf;
-  for (int c = 0; c < 4; ++c) {
-    const int64_t left = std::clamp<int64_t>(lim - 16 * c, 0, 16);
-    live[c] = static_cast<__mmask16>((1u << left) - 1);
-    x[c] = _mm512_mask_mov_ps(neg_inf, live[c], _mm512_loadu_ps(s + 16 * c));
-    mx = _mm512_max_ps(mx, x[c]);
+  const float inf = std::numeric_limits<float>::infinity();
+  const __m512 neg_inf = _mm512_set1_ps(-inf), vscale = _mm512_set1_ps(scale);
+  alignas(64) float mx[16], mn[16], al[16];
+  __mmask16 live[16][4];
+  for (int64_t i = 0; i < 16; ++i) {
+    mx[i] = -inf;
+    if (i >= nr) continue;
+    const int64_t lim = std::clamp<int64_t>(pos0 + (r0 + i) / group + 1 - first_key, 0, kBk);
+    __m512 v = neg_inf;
+    for (int c = 0; c < 4; ++c) {
+      live[i][c] = static_cast<__mmask16>((1u << std::clamp<int64_t>(lim - 16 * c, 0, 16)) - 1);
+      v = _mm512_max_ps(v, _mm512_mask_loadu_ps(neg_inf, live[i][c], s + (r0 + i) * kBk + 16 * c));
+    }
+    mx[i] = _mm512_reduce_max_ps(v);
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(mx) * scale);
-  // The running max settles after the first blocks: skip the exp when it did not move.
-  const float alpha = m == m_new ? 1.f : m == -std::numeric_limits<float>::infinity() ? 0.f : morphserve::exp_approx(m - m_new);
-  const __m512 vscale = _mm512_set1_ps(scale), vneg = _mm512_set1_ps(-m_new);
-  __m512 sum = _mm512_setzero_ps();
-  for (int c = 0; c < 4; ++c) {
-    x[c] = _mm512_maskz_mov_ps(live[c], exp16(_mm512_fmadd_ps(x[c], vscale, vneg)));
-    sum = _mm512_add_ps(sum, x[c]);
+  const __mmask16 rows = static_cast<__mmask16>((1u << nr) - 1);
+  const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, rows, m + r0);
+  const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(_mm512_load_ps(mx), vscale));
+  // A row that saw no key yet (m_old = -inf) has l = 0 and o = 0: its factor does not matter.
+  _mm512_store_ps(al, exp16(_mm512_sub_ps(m_old, m_new)));
+  _mm512_store_ps(mn, m_new);
+  _mm512_mask_storeu_ps(m + r0, rows, m_new);
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t r = r0 + i;
+    const __m512 neg = _mm512_set1_ps(-mn[i]);
+    __m512 x[4], sum = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      x[c] = _mm512_maskz_mov_ps(live[i][c], exp16(_mm512_fmadd_ps(_mm512_loadu_ps(s + r * kBk + 16 * c), vscale, neg)));
+      sum = _mm512_add_ps(sum, x[c]);
+    }
+    _mm512_storeu_si512(p + r * kBk, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));  // [bf16(x0), bf16(x1)]
+    _mm512_storeu_si512(p + r * kBk + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+    l[r] = l[r] * al[i] + _mm512_reduce_add_ps(sum);
+    const __m512 a = _mm512_set1_ps(al[i]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), a));
   }
-  _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));       // [bf16(x0), bf16(x1)]
-  _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
-  m = m_new;
-  l = l * alpha + _mm512_reduce_add_ps(sum);
-  return alpha;
 }
 
 // One item: kv head h, query tokens [t0, t0 + nt) at positions pos0 + t. Its rows are r = t * group + j
@@ -130,20 +142,9 @@ void attend_item(const BF* q, int64_t q_s0, const BF* kp, const BF* vp, BF* out,
   const int64_t blocks = (pos0 + nt - 1) / kBk + 1;  // up to the block holding the last token's diagonal
   for (int64_t b = 0; b < blocks; ++b) {
     at::native::cpublas::brgemm(rows, kBk, D, D, kBk, kBk, false, w.q.data(), kp + b * kBk * D, w.s.data());
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lim = std::min<int64_t>(kBk, pos0 + r / group + 1 - b * kBk);  // keys of this block row r sees
-      BF* p = w.p.data() + r * kBk;
-      if (lim <= 0) {
-        std::fill(p, p + kBk, BF(0.f));
-        continue;
-      }
-      const float alpha = online_softmax_row(w.s.data() + r * kBk, lim, scale, w.m[r], w.l[r], p);
-      if (alpha != 1.f) {
-        float* o = w.o.data() + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
-      }
-    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+      softmax_rows16(w.s.data(), r0, std::min<int64_t>(16, rows - r0), b * kBk, pos0, group, scale, w.m.data(),
+                     w.l.data(), w.o.data(), D, w.p.data());
     at::native::cpublas::brgemm(rows, D, kBk, kBk, D, D, true, w.p.data(), vp + b * kBk * D, w.o.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
