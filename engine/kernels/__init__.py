@@ -16,7 +16,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp",
            HERE / "fused_elementwise.cpp", HERE / "causal_attention.cpp")
-HEADERS = (HERE / "simd_math.h",)  # included by the sources: a change rebuilds too
+HEADERS = (HERE / "simd_math.h", HERE / "amx_tiles.h")  # included by the sources: a change rebuilds too
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}

@@ -1,60 +1,97 @@
 // INT4 x bf16 linear with AMX, reading torch's CPU int4pack bytes (AVX512 layout: 64-column blocks; the
-// bytes the host store keeps and Int4Linear holds, so swaps and the ledger are unchanged). Each 64-column
-// block is dequantized into a per-thread bf16 VNNI buffer (K x 64 x 2 bytes, transient: allocated per call
-// inside the parallel region, like any op's workspace; it is part of the activation reserve, not the
-// weights) and multiplied with AMX through ATen's cpublas::brgemm (oneDNN ukernel), fp32 accumulation.
+// bytes the host store keeps and Int4Linear holds, so swaps and the ledger are unchanged).
+//
+// The weight is never dequantized. With w = code * s + b per (group g, column n) (b = zp - 8 s, torch's
+// int4pack convention), a group's share of y[m][n] is
+//     s[g][n] * sum_{k in g} x[m][k] * (128 + code[k][n])  +  (b[g][n] - 128 s[g][n]) * X_g[m],
+// X_g[m] = sum_{k in g} x[m][k]. 128 + code is an exact bf16 (bits 0x4300 | code: exponent of 128, the
+// code in the low mantissa bits), so turning a 64-column block's nibbles into AMX's VNNI layout is a
+// byte interleave, a mask and an OR, with no float math per weight; AMX multiplies each group (K = G)
+// into fp32 tiles (raw tile instructions: per-group GEMMs are small, and a library GEMM call per group
+// cost more than the group's arithmetic) and the per-group scale and offset are applied to the
+// [16 rows, 64 columns] result. The
+// older route (each weight converted to fp32, scaled, rounded to bf16, then shuffled into pairs) spent
+// most of its time in that per-weight work, which made an INT4 layer no faster than bf16 at 16 rows.
+// The products are exact (bf16 x small integer) and the scale is applied in fp32, so the result is
+// closer to the exact dequantized product than rounding each weight to bf16 was.
 // Each output row depends only on its own input row (the same K order whatever the row count).
-// torch's _weight_int4pack_mm_for_cpu has no AMX path; this one pays the dequantization once per call,
-// so it wins from a few rows up (the engine dispatches by EngineConfig.int4_amx_min_rows, quant/int4_kernel.py).
-// Compiled only where the compiler targets AVX512-BF16 + AMX-BF16 (-march=native); elsewhere the op is
-// not registered and the engine keeps torch's kernel.
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__)
+// Buffers (transient, part of the activation reserve): x padded to whole 16-row tiles, and per thread
+// K x 64 x 2 bytes of codes and two [16, 64] fp32 blocks.
+// torch's _weight_int4pack_mm_for_cpu has no AMX path; the engine dispatches between it and this op by
+// row count (EngineConfig.int4_amx_min_rows, quant/dispatch.py).
+// Compiled only where the compiler targets AVX512-BF16 + AVX512-VBMI + AMX-BF16 (-march=native);
+// elsewhere the op is not registered and the engine keeps torch's kernel.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include <algorithm>
 #include <vector>
+
+#include "amx_tiles.h"
 
 namespace {
 
-constexpr int64_t kBlockN = 64;   // the CPU int4pack layout's column block (AVX512)
-constexpr int64_t kChunkM = 128;  // rows per brgemm call (bounds the fp32 accumulator)
+constexpr int64_t kBlockN = 64;  // the CPU int4pack layout's column block (AVX512): 4 tiles of 16 columns
+constexpr int64_t kTile = 16;    // rows of an A / C tile; bf16 pairs (32 k values) per B tile
+
+using BF = at::BFloat16;
 
 // One 64-column block of the int4pack layout ([K][32] bytes: byte j holds column j in the low nibble,
-// column 32 + j in the high one) -> bf16 in VNNI order [K/2][64][2], w = code * s + (zp - 8 s).
-void dequant_block(const uint8_t* blk, const at::BFloat16* sz, int64_t n_total, int64_t n0, int64_t K,
-                   int64_t G, at::BFloat16* out) {
-  alignas(64) float scale[kBlockN], bias[kBlockN];
-  const __m512i mask = _mm512_set1_epi32(0xF);
-  alignas(64) int16_t idx_arr[32];
-  for (int i = 0; i < 16; ++i) { idx_arr[2 * i] = i; idx_arr[2 * i + 1] = 16 + i; }
-  const __m512i idx = _mm512_load_si512(idx_arr);
+// column 32 + j in the high one) -> bf16 (128 + code) in VNNI order [K/2][64][2].
+void codes_vnni(const uint8_t* blk, int64_t K, BF* out) {
+  alignas(64) uint8_t idx_arr[64];
+  for (int j = 0; j < 32; ++j) idx_arr[2 * j] = j, idx_arr[2 * j + 1] = 64 + j;  // row k byte j, row k+1 byte j
+  const __m512i idx = _mm512_load_si512(idx_arr), nib = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi16(0x4300);
   for (int64_t k = 0; k < K; k += 2) {
-    if (k % G == 0) {
-      const at::BFloat16* row = sz + ((k / G) * n_total + n0) * 2;
-      for (int64_t n = 0; n < kBlockN; ++n) {
-        float s = static_cast<float>(row[2 * n]), zp = static_cast<float>(row[2 * n + 1]);
-        scale[n] = s;
-        bias[n] = zp - 8.0f * s;
-      }
-    }
-    const uint8_t* r0 = blk + k * 32;
-    const uint8_t* r1 = r0 + 32;
-    for (int q = 0; q < 4; ++q) {  // columns 16q .. 16q + 15
-      const int off = (q & 1) * 16, shift = (q >> 1) * 4;
-      __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + off)));
-      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + off)));
-      a = _mm512_and_si512(_mm512_srli_epi32(a, shift), mask);
-      b = _mm512_and_si512(_mm512_srli_epi32(b, shift), mask);
-      const __m512 s = _mm512_load_ps(scale + 16 * q), z = _mm512_load_ps(bias + 16 * q);
-      const __m512 fa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, z);
-      const __m512 fb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, z);
-      __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(fb, fa);  // [bf16(fa) x16, bf16(fb) x16]
-      pair = _mm512_permutexvar_epi16(idx, pair);            // (fa[i], fb[i]) pairs: VNNI
-      _mm512_storeu_si512(out + ((k / 2) * kBlockN + 16 * q) * 2, pair);
-    }
+    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 32)));
+    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 1) * 32)));
+    const __m512i t = _mm512_permutex2var_epi8(a, idx, b);       // byte pairs (row k, row k+1) of column j
+    const __m512i lo = _mm512_and_si512(t, nib);                  // columns 0..31
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), nib);  // columns 32..63
+    BF* dst = out + (k / 2) * kBlockN * 2;
+    const __m256i parts[4] = {_mm512_castsi512_si256(lo), _mm512_extracti64x4_epi64(lo, 1),
+                              _mm512_castsi512_si256(hi), _mm512_extracti64x4_epi64(hi, 1)};
+    for (int q = 0; q < 4; ++q)  // columns 16q .. 16q + 15, as (row k, row k+1) bf16 pairs
+      _mm512_storeu_si512(dst + 32 * q, _mm512_or_si512(_mm512_cvtepu8_epi16(parts[q]), base));
   }
+}
+
+// Tiles 0-3: C (16 rows x 16 columns fp32, the block's 4 column tiles); 4: A (16 rows x 32 bf16);
+// 5: B (16 bf16 pairs x 16 columns). All 16 rows x 64 bytes.
+void configure_tiles() {
+  morphserve::TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = kTile;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// part[16][64] = x rows [16] . codes of one group (G values of k) of one 64-column block.
+void group_product(const BF* x, int64_t K, const BF* w, int64_t G, float* part) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < G; k += 32) {
+    _tile_loadd(4, x + k, K * sizeof(BF));
+    const BF* b = w + k * kBlockN;  // VNNI row k / 2, 128 bf16 per row
+    _tile_loadd(5, b, kBlockN * 2 * sizeof(BF));
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, b + 32, kBlockN * 2 * sizeof(BF));
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, b + 64, kBlockN * 2 * sizeof(BF));
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, b + 96, kBlockN * 2 * sizeof(BF));
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, part, kBlockN * sizeof(float));
+  _tile_stored(1, part + 16, kBlockN * sizeof(float));
+  _tile_stored(2, part + 32, kBlockN * sizeof(float));
+  _tile_stored(3, part + 48, kBlockN * sizeof(float));
 }
 
 at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& sz) {
@@ -63,35 +100,64 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   const int64_t M = x.size(0), K = x.size(1), N = sz.size(1);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == N * K / 2 && packed.is_contiguous(), "packed must be int4pack uint8 [N, K/2]");
   TORCH_CHECK(group_size > 0 && sz.size(0) * group_size == K, "x has ", K, " columns, the weight ", sz.size(0) * group_size);
-  TORCH_CHECK(N % kBlockN == 0 && K % 2 == 0 && group_size % 2 == 0 && K % group_size == 0 && sz.size(0) == K / group_size, "unsupported shape");
-  auto xc = x.contiguous();
+  TORCH_CHECK(N % kBlockN == 0 && group_size % 32 == 0 && K % group_size == 0 && sz.size(0) == K / group_size, "unsupported shape");
+  TORCH_CHECK(morphserve::amx_permitted(), "the kernel did not grant AMX tile state (arch_prctl)");
   auto y = at::empty({M, N}, x.options());
-  const auto* xp = xc.data_ptr<at::BFloat16>();
+  if (M == 0) return y;
+  const int64_t G = group_size, groups = K / G, Mp = (M + kTile - 1) / kTile * kTile;
+  auto xc = x.contiguous();
+  std::vector<BF> xpad(Mp * K, BF(0.f));  // whole 16-row tiles; the padding rows are computed and dropped
+  std::copy(xc.data_ptr<BF>(), xc.data_ptr<BF>() + M * K, xpad.begin());
+  std::vector<float> xsum(Mp * groups, 0.f);  // X_g[m], fp32 sums of the bf16 inputs
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      const BF* row = xpad.data() + m * K + g * G;
+      for (int64_t k = 0; k < G; k += 16)
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k))), 16)));
+      xsum[m * groups + g] = _mm512_reduce_add_ps(acc);
+    }
   const auto* pp = packed.data_ptr<uint8_t>();
-  const auto* szp = sz.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
+  const auto* szp = sz.data_ptr<BF>();
+  auto* yp = y.data_ptr<BF>();
   at::parallel_for(0, N / kBlockN, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> w(K * kBlockN);
-    std::vector<float> acc(std::min(M, kChunkM) * kBlockN);
+    configure_tiles();
+    std::vector<BF> w(K * kBlockN);
+    alignas(64) float part[kTile * kBlockN], acc[kTile * kBlockN], scale[kBlockN], offset[kBlockN];
     for (int64_t nb = begin; nb < end; ++nb) {
-      dequant_block(pp + nb * K * 32, szp, N, nb * kBlockN, K, group_size, w.data());
-      for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
-        const int64_t mc = std::min(kChunkM, M - m0);
-        at::native::cpublas::brgemm(mc, kBlockN, K, K, kBlockN, kBlockN, false, xp + m0 * K, w.data(), acc.data());
-        for (int64_t m = 0; m < mc; ++m) {
-          const float* a = acc.data() + m * kBlockN;
-          at::BFloat16* o = yp + (m0 + m) * N + nb * kBlockN;
-          for (int64_t j = 0; j < kBlockN; j += 16) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + j)));
+      codes_vnni(pp + nb * K * 32, K, w.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {  // the block's codes stay in cache across row tiles
+        const int64_t mc = std::min(kTile, M - m0);
+        std::fill(acc, acc + kTile * kBlockN, 0.f);
+        for (int64_t g = 0; g < groups; ++g) {
+          const BF* sz_row = szp + (g * N + nb * kBlockN) * 2;
+          for (int64_t n = 0; n < kBlockN; ++n) {  // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s)
+            const float s = static_cast<float>(sz_row[2 * n]), zp = static_cast<float>(sz_row[2 * n + 1]);
+            scale[n] = s;
+            offset[n] = zp - 136.f * s;
           }
+          group_product(xpad.data() + m0 * K + g * G, K, w.data() + g * G * kBlockN, G, part);
+          for (int64_t m = 0; m < mc; ++m) {
+            const __m512 xs = _mm512_set1_ps(xsum[(m0 + m) * groups + g]);
+            for (int64_t j = 0; j < kBlockN; j += 16) {
+              float* a = acc + m * kBlockN + j;
+              const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(part + m * kBlockN + j), _mm512_load_ps(scale + j), _mm512_load_ps(a));
+              _mm512_store_ps(a, _mm512_fmadd_ps(xs, _mm512_load_ps(offset + j), v));
+            }
+          }
+        }
+        for (int64_t m = 0; m < mc; ++m) {
+          BF* o = yp + (m0 + m) * N + nb * kBlockN;
+          for (int64_t j = 0; j < kBlockN; j += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + m * kBlockN + j)));
         }
       }
     }
-    at::native::cpublas::brgemm_release();
+    _tile_release();
   });
   return y;
 }
-
 
 }  // namespace
 
@@ -99,4 +165,4 @@ TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("int4_amx_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("int4_amx_mm", &int4_amx_mm); }
-#endif  // AVX512-BF16 + AMX-BF16
+#endif  // AVX512-BF16 + AVX512-VBMI + AMX-BF16

@@ -22,31 +22,21 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <vector>
 
+#include "amx_tiles.h"
+
 namespace {
+
+using morphserve::amx_permitted;
+using morphserve::TileConfig;
 
 constexpr int64_t kTile = 16;           // rows of a tile (n rows of A / C, k quads of B)
 constexpr int64_t kTileK = 64;          // int8 k values in one A tile row (64 bytes)
 constexpr int64_t kBlockN = 2 * kTile;  // output columns per work item (two A tiles)
 constexpr int32_t kXMax = 32512;        // |v| <= 32512 keeps hi = (v + 128) >> 8 within int8
-
-// Linux hands AMX tile state to a process only on request (arch_prctl); once per process.
-bool amx_permitted() {
-  constexpr int kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
-  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: C (n-tile a: hi at 2a, lo at 2a + 1); 4, 5: A (two n-tiles); 6, 7: B (hi, lo). All 16 x 64 B.
 void configure_tiles() {
