@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -169,13 +170,15 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && k.stride(2) == 1 && v.stride(2) == 1,
               "causal_attention: each row's heads must be contiguous [H, D]");
   const int64_t group = hq / hkv, kblocks = (L + kBk - 1) / kBk, qblocks = (n + kBq - 1) / kBq;
-  std::vector<BF> kpack(hkv * kblocks * kBk * D), vpack(hkv * kblocks * kBk * D);
+  // new BF[] leaves them uninitialized (the packs write every element, padding included); a
+  // vector<BFloat16> would zero them one element at a time.
+  const std::unique_ptr<BF[]> kpack(new BF[hkv * kblocks * kBk * D]), vpack(new BF[hkv * kblocks * kBk * D]);
   const BF *qp = q.data_ptr<BF>(), *kptr = k.data_ptr<BF>(), *vptr = v.data_ptr<BF>();
   at::parallel_for(0, 2 * hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / 2;
-      if (i % 2 == 0) pack_keys(kptr + h * k.stride(1), k.stride(0), L, D, kpack.data() + h * kblocks * kBk * D);
-      else pack_values(vptr + h * v.stride(1), v.stride(0), L, D, vpack.data() + h * kblocks * kBk * D);
+      if (i % 2 == 0) pack_keys(kptr + h * k.stride(1), k.stride(0), L, D, kpack.get() + h * kblocks * kBk * D);
+      else pack_values(vptr + h * v.stride(1), v.stride(0), L, D, vpack.get() + h * kblocks * kBk * D);
     }
   });
   auto out = at::empty({n, hq, D}, q.options());
@@ -187,8 +190,8 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
     Scratch w(kBq * group, D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / qblocks, t0 = (i % qblocks) * kBq, nt = std::min(kBq, n - t0);
-      attend_item(qp + t0 * q.stride(0) + h * group * D, q.stride(0), kpack.data() + h * kblocks * kBk * D,
-                  vpack.data() + h * kblocks * kBk * D, op + t0 * hq * D + h * group * D, hq * D, nt, group,
+      attend_item(qp + t0 * q.stride(0) + h * group * D, q.stride(0), kpack.get() + h * kblocks * kBk * D,
+                  vpack.get() + h * kblocks * kBk * D, op + t0 * hq * D + h * group * D, hq * D, nt, group,
                   start + t0, D, fscale, w);
     }
     at::native::cpublas::brgemm_release();
