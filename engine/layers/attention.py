@@ -23,7 +23,9 @@ and builds an `AttentionMetadata` once per step; every layer reuses it. Per laye
      q heads)
   3. prefill chunks: a chunk at start_pos 0 attends causally to its own fresh K/V (no gather); a later
      chunk (chunked prefill) gathers its context [0, end_pos) from the cache and masks causally with
-     its offset: query at position start_pos + i sees keys at positions <= start_pos + i.
+     its offset: query at position start_pos + i sees keys at positions <= start_pos + i. On a CPU
+     with AMX in bf16 both go through the AMX op (engine/kernels/causal_attention.cpp: 64-key blocks
+     to the diagonal, the offset as data, no mask tensor); otherwise SDPA.
 
 Cache views (k_cache, v_cache: [max_blocks, block_size, Hkv, D]) are strided slices of one tensor, so
 they are indexed by (block, offset) rather than flattened; they may move after a KV resize, which is

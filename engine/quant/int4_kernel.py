@@ -17,8 +17,9 @@ a build whose packing differs gets another key even if version and ISA agree.
 Which matmul reads the CPU layout (`kernel_mm(..., amx=True)` for eligible weights, see `amx_eligible`):
 torch's `_weight_int4pack_mm_for_cpu` below `int4_min_rows` rows (quant/dispatch.py), the engine's AMX op
 (engine/kernels/int4_amx.cpp, same bytes) from there up. torch's kernel has no AMX path, and from a few
-rows up it is slower than the packed bf16 linear; the AMX op dequantizes each call's weight once, which
-costs more than torch's kernel at 1-4 rows. Both are row-invariant (a row's output does not depend on
+rows up it is slower than the packed bf16 linear; the AMX op turns each call's codes into bf16 once
+(a byte shuffle, no float math per weight) and pads the rows to a 16-row tile, which costs more than
+torch's kernel at 1-4 rows. Both are row-invariant (a row's output does not depend on
 the other rows), but they round differently (last bf16 bit), so a request's INT4 outputs can differ
 with the number of rows in the step when it crosses the threshold (as the packed bf16 linear's already
 do: oneDNN picks its kernel by row count). `int4_amx_min_rows=1` gives INT4 layers exact batch invariance.
