@@ -12,6 +12,10 @@ the INT8 threshold (EngineConfig.int8_amx_min_rows; 'never' = torch's _weight_in
 
     python -m ops.bench.decode_step --model default --out decode_step.json
     python -m ops.bench.decode_step --rung int8 int4 --threads 1 --clock cpu   # both rungs, one run
+    python -m ops.bench.decode_step --prefill 128 512 --layers 0 18   # one prefill chunk of 128 / 512 tokens instead
+
+`--prefill N ...` times one request's first prefill chunk of N tokens (what a morphed replica runs when
+a burst's prompts arrive) in place of the decode batches.
 """
 from __future__ import annotations
 
@@ -51,6 +55,12 @@ def decode_batch(batch: int, context: int, vocab: int) -> SchedulerOutput:
     return SchedulerOutput(chunks)
 
 
+def prefill_chunk(tokens: int, vocab: int) -> SchedulerOutput:
+    """One request's first prefill chunk of `tokens` tokens."""
+    return SchedulerOutput((ScheduledChunk("p", tuple((5 * j + 3) % vocab for j in range(tokens)), 0,
+                                           tuple(range(-(-tokens // BLOCK_SIZE))), needs_logits=True),))
+
+
 def make_runner(model: Transformer, batch: int, context: int, attention: str = "auto") -> ModelRunner:
     c, device = model.config, model.embed_weight.device
     blocks = batch * -(-(context + 1) // BLOCK_SIZE)
@@ -82,12 +92,15 @@ def configurations(rungs: Sequence[str], counts: Sequence[int]) -> list[tuple[st
 def bench(model: Transformer, switches: dict[str, LayerSwitch], order: Sequence[int], counts: Sequence[int],
           batches: Sequence[int], context: int, rounds: int, steps: int,
           clock=time.perf_counter, attention: Sequence[str] = ("auto",),
-          amx_min_rows: Sequence[int | None] = (None,)) -> dict[str, dict[str, float]]:
+          amx_min_rows: Sequence[int | None] = (None,), prefill: bool = False) -> dict[str, dict[str, float]]:
     """{"batch=<b>": {"<rung>=<n>": median seconds per step}} over interleaved rounds (one warm-up round);
     `switches`: rung -> its LayerSwitch ("int4=0" or "int8=0" is full precision); with several attention
     routes the keys are "<rung>=<n> attention=<route>", with several INT4 dispatch thresholds
-    "... amx=<rows|never>", all interleaved."""
-    runners = {(b, a): (make_runner(model, b, context, a), decode_batch(b, context, model.config.vocab_size))
+    "... amx=<rows|never>", all interleaved. `prefill`: each of `batches` is a prefill chunk's token
+    count ("prefill=<n>") instead of a decode batch."""
+    vocab = model.config.vocab_size
+    runners = {(b, a): ((make_runner(model, 1, b, a), prefill_chunk(b, vocab)) if prefill else
+                        (make_runner(model, b, context, a), decode_batch(b, context, vocab)))
                for b in batches for a in attention}
     configs = configurations(list(switches), counts)
     samples: dict[tuple, list[float]] = {(b, a, c, m): [] for b, a in runners for c in configs for m in amx_min_rows}
@@ -107,7 +120,8 @@ def bench(model: Transformer, switches: dict[str, LayerSwitch], order: Sequence[
                     switches[rung].restore(i)
     suffix = (lambda a: f" attention={a}") if len(attention) > 1 else (lambda a: "")
     amx = (lambda m: f" amx={'never' if m is None else m}") if len(amx_min_rows) > 1 else (lambda m: "")
-    return {f"batch={b}": {f"{c[0]}={c[1]}{suffix(a)}{amx(m)}": statistics.median(samples[(b, a, c, m)])
+    kind = "prefill" if prefill else "batch"
+    return {f"{kind}={b}": {f"{c[0]}={c[1]}{suffix(a)}{amx(m)}": statistics.median(samples[(b, a, c, m)])
                            for a in attention for c in configs for m in amx_min_rows} for b in batches}
 
 
@@ -122,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 15, 30])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=128, help="tokens already in each sequence's KV")
+    ap.add_argument("--prefill", type=int, nargs="+", default=None,
+                    help="time one prefill chunk of each of these token counts instead of the decode batches")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="consecutive steps timed per round")
     ap.add_argument("--threads", type=int, default=None)
@@ -149,11 +165,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     order = resolve_swap_order(num_layers, name)
     switches = {rung: LayerSwitch(model, {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision(rung))
                                           for i in order.order[:max(args.layers)]}) for rung in args.rung}
-    results = bench(model, switches, order.order, args.layers, args.batch, args.context,
-                    args.rounds, args.steps, CLOCKS[args.clock], args.attention, amx_rows)
+    results = bench(model, switches, order.order, args.layers, args.prefill or args.batch, args.context,
+                    args.rounds, args.steps, CLOCKS[args.clock], args.attention, amx_rows, prefill=bool(args.prefill))
     report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
               "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
-              "context": args.context, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
+              "context": args.context, "prefill_tokens": args.prefill, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
               "swap_order": order.source, "attention": args.attention, "rungs": args.rung,
               "int4": "rtn, group 128 (64 where needed)", "int8": "rtn, per output channel",
               "int4_amx_min_rows": args.int4_amx_min_rows, "int4_amx": int4_amx_reason() or "available",

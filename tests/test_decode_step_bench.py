@@ -1,0 +1,35 @@
+"""ops/bench/decode_step.py on a tiny model: decode batches and (--prefill) first prefill chunks, with
+layers switched to INT4 and back, report one median per configuration (the benchmark's plumbing,
+not its timings)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engine.loader import load_model
+from engine.morph.profiler import LayerSwitch
+from engine.precision import Precision
+from engine.quant.awq import LayerWeights, quantize_layer_rtn
+from ops.bench import decode_step
+
+
+def test_prefill_chunk_covers_its_tokens_with_whole_blocks():
+    step = decode_step.prefill_chunk(37, vocab=100)
+    (chunk,) = step.chunks
+    assert len(chunk.token_ids) == 37 and chunk.start_pos == 0
+    assert len(chunk.block_table) == -(-37 // decode_step.BLOCK_SIZE)
+
+
+def test_bench_times_prefill_chunks_and_restores_the_layers(tiny_model_dir):
+    model = load_model(str(tiny_model_dir), torch.float32, "cpu").model
+    n = model.config.num_layers
+    before = [layer.get_linears()["q_proj"].precision for layer in model.layers]
+    switch = LayerSwitch(model, {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision.INT4)
+                                 for i in range(n)})
+    out = decode_step.bench(model, {"int4": switch}, list(range(n)), [0, n], [5, 20], context=0, rounds=1,
+                            steps=1, prefill=True)
+    assert set(out) == {"prefill=5", "prefill=20"}
+    assert all(set(row) == {"int4=0", f"int4={n}"} and all(v > 0 for v in row.values()) for row in out.values())
+    assert [layer.get_linears()["q_proj"].precision for layer in model.layers] == before
+    json.dumps(out)  # the report is plain JSON
