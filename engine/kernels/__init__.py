@@ -3,9 +3,10 @@
 `paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int8_amx_op()`
 are the ops, or None when the library is not built or is older than its sources (the callers then use
 their torch-only path, and `available_reason()` says why). The AMX ops also need a CPU with AMX (BF16
-for INT4, INT8 for INT8) at run time and a library compiled for it (int4_amx.cpp and int8_amx.cpp are
-empty where the compiler does not target AVX512-BF16 + AMX); `int4_amx_reason()` / `int8_amx_reason()`
-say why not."""
+for INT4 and prefill attention, INT8 for INT8) at run time and a library compiled for it (int4_amx.cpp,
+causal_attention.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX;
+int4_amx.cpp also needs AVX512-VBMI, which every AMX CPU has); `int4_amx_reason()` /
+`causal_attention_reason()` / `int8_amx_reason()` say why not."""
 from __future__ import annotations
 
 import logging
