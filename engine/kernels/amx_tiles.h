@@ -1,7 +1,8 @@
-// AMX tile plumbing shared by the engine's AMX kernels (int8_amx.cpp, int4_amx.cpp): the process's
-// permission to use tile state, and the tile configuration record. Each kernel loads its own layout.
+// What the engine's AMX kernels (int8_amx.cpp, int4_amx.cpp) share: the process's permission to use tile
+// state, the tile configuration record (each kernel loads its own layout), and reading bf16 rows as fp32.
 #pragma once
 
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -22,5 +23,10 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// 16 bf16 (raw bits) -> fp32, exact: bf16 is fp32's top half.
+inline __m512 load_bf16(const void* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
+}
 
 }  // namespace morphserve

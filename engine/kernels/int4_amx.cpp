@@ -118,8 +118,7 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
       __m512 acc = _mm512_setzero_ps();
       const BF* row = xpad + m * K + g * G;
       for (int64_t k = 0; k < G; k += 16)
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
-                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k))), 16)));
+        acc = _mm512_add_ps(acc, morphserve::load_bf16(row + k));
       xsum[m * groups + g] = _mm512_reduce_add_ps(acc);
     }
   const auto* pp = packed.data_ptr<uint8_t>();
@@ -129,26 +128,33 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
     configure_tiles();
     std::vector<uint16_t> wbuf(K * kBlockN);
     BF* w = reinterpret_cast<BF*>(wbuf.data());
-    alignas(64) float part[kTile * kBlockN], acc[kTile * kBlockN], scale[kBlockN], offset[kBlockN];
+    alignas(64) float part[kTile * kBlockN], acc[kTile * kBlockN];
+    std::vector<float> scales(2 * groups * kBlockN);  // [groups][64] scale, then offset
+    float* scale = scales.data();
+    float* offset = scale + groups * kBlockN;
     for (int64_t nb = begin; nb < end; ++nb) {
       codes_vnni(pp + nb * K * 32, K, w);
+      for (int64_t g = 0; g < groups; ++g) {  // the block's scales and offsets, once for all row tiles
+        const BF* sz_row = szp + (g * N + nb * kBlockN) * 2;
+        for (int64_t n = 0; n < kBlockN; ++n) {  // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s)
+          const float s = static_cast<float>(sz_row[2 * n]), zp = static_cast<float>(sz_row[2 * n + 1]);
+          scale[g * kBlockN + n] = s;
+          offset[g * kBlockN + n] = zp - 136.f * s;
+        }
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {  // the block's codes stay in cache across row tiles
         const int64_t mc = std::min(kTile, M - m0);
         std::fill(acc, acc + kTile * kBlockN, 0.f);
         for (int64_t g = 0; g < groups; ++g) {
-          const BF* sz_row = szp + (g * N + nb * kBlockN) * 2;
-          for (int64_t n = 0; n < kBlockN; ++n) {  // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s)
-            const float s = static_cast<float>(sz_row[2 * n]), zp = static_cast<float>(sz_row[2 * n + 1]);
-            scale[n] = s;
-            offset[n] = zp - 136.f * s;
-          }
+          const float* sg = scale + g * kBlockN;
+          const float* og = offset + g * kBlockN;
           group_product(xpad + m0 * K + g * G, K, w + g * G * kBlockN, G, part);
           for (int64_t m = 0; m < mc; ++m) {
             const __m512 xs = _mm512_set1_ps(xsum[(m0 + m) * groups + g]);
             for (int64_t j = 0; j < kBlockN; j += 16) {
               float* a = acc + m * kBlockN + j;
-              const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(part + m * kBlockN + j), _mm512_load_ps(scale + j), _mm512_load_ps(a));
-              _mm512_store_ps(a, _mm512_fmadd_ps(xs, _mm512_load_ps(offset + j), v));
+              const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(part + m * kBlockN + j), _mm512_loadu_ps(sg + j), _mm512_load_ps(a));
+              _mm512_store_ps(a, _mm512_fmadd_ps(xs, _mm512_loadu_ps(og + j), v));
             }
           }
         }

@@ -32,6 +32,7 @@ namespace {
 
 using morphserve::amx_permitted;
 using morphserve::TileConfig;
+using morphserve::load_bf16;
 
 constexpr int64_t kTile = 16;           // rows of a tile (n rows of A / C, k quads of B)
 constexpr int64_t kTileK = 64;          // int8 k values in one A tile row (64 bytes)
@@ -46,10 +47,6 @@ void configure_tiles() {
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-}
-
-__m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 -> fp32 (exact: bf16 is fp32's top half)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
 // One row of x -> v = round(x / xs) in [-kXMax, kXMax] as 256 * hi + lo (int8 each, exact); returns xs.
