@@ -30,19 +30,24 @@ def kernel_built():
     assert available_reason() is None, available_reason()
 
 
-def gather_reference(q, k_cache, v_cache, table, start_pos, scale):
-    """q [n, Hq, D] at positions start_pos + i of one request -> [n, Hq, D] in float64."""
+def causal_reference(q, keys, values, start_pos, scale):
+    """q [n, Hq, D] at positions start_pos + i, keys/values [start_pos + n, Hkv, D] -> [n, Hq, D] in float64."""
     n, hq, _ = q.shape
-    end = start_pos + n
-    ids = torch.tensor(table[: -(-end // BS)], dtype=torch.long)
-    keys = k_cache.index_select(0, ids).flatten(0, 1)[:end].double()  # [end, Hkv, D]
-    values = v_cache.index_select(0, ids).flatten(0, 1)[:end].double()
     group = hq // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [end, Hq, D]
+    keys, values = keys.double().repeat_interleave(group, 1), values.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
-    visible = torch.arange(end)[None, :] <= (start_pos + torch.arange(n))[:, None]  # [n, end]
+    visible = torch.arange(start_pos + n)[None, :] <= (start_pos + torch.arange(n))[:, None]  # [n, end]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def gather_reference(q, k_cache, v_cache, table, start_pos, scale):
+    """q [n, Hq, D] at positions start_pos + i of one request, its K/V found through its block table."""
+    end = start_pos + q.shape[0]
+    ids = torch.tensor(table[: -(-end // BS)], dtype=torch.long)
+    keys = k_cache.index_select(0, ids).flatten(0, 1)[:end]  # [end, Hkv, D]
+    values = v_cache.index_select(0, ids).flatten(0, 1)[:end]
+    return causal_reference(q, keys, values, start_pos, scale)
 
 
 class _Runner(ModelRunner):
@@ -204,12 +209,8 @@ def test_amx_prefill_attention_is_causal_with_offset(n, start, hq, hkv, dim):
         k = torch.cat([torch.randn(start, hkv, dim, generator=g).to(torch.bfloat16), k])
         v = torch.cat([torch.randn(start, hkv, dim, generator=g).to(torch.bfloat16), v])
     out = causal_attention_op()(q, k, v, start, dim ** -0.5)
-    group = hq // hkv
-    kd, vd = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kd) * dim ** -0.5
+    torch.testing.assert_close(out.double(), causal_reference(q, k, v, start, dim ** -0.5), atol=1e-2, rtol=1e-2)
     visible = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
-    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vd)
-    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=visible, scale=dim ** -0.5, enable_gqa=True).squeeze(0).transpose(0, 1)
