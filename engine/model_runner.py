@@ -21,7 +21,8 @@ import torch
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.capability import detect_capability
 from engine.kernels import available_reason
-from engine.layers.attention import AttentionMetadata, DecodeBatch, PagedRuns, PrefillChunk, in_place_supported
+from engine.layers.attention import (AttentionMetadata, DecodeBatch, PagedRuns, PrefillChunk, amx_prefill_supported,
+                                    in_place_supported)
 from engine.layers.packed import packing_available
 from engine.model import Transformer
 
@@ -58,6 +59,7 @@ class ModelRunner:
             raise ValueError(f"in-place attention does not serve {model.dtype} on {self.device} here "
                              f"({available_reason() or 'CPU with float32 or bfloat16 only'})")
         self.in_place_attention = supported and attention != "gather"
+        self.amx_prefill = amx_prefill_supported(model.dtype, self.device, model.config.head_dim)
         logger.info("device %s; model dtype %s; attention %s", self.capability.describe(),
                     str(model.dtype).removeprefix("torch."), "in place" if self.in_place_attention else "gather")
 
@@ -105,7 +107,8 @@ class ModelRunner:
             write_blocks=self._long(blocks), write_offsets=self._long(offsets),
             decode=None if self.in_place_attention else self._decode_batch(decodes, block_size),
             prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size),
-            paged=self._paged_runs(decodes, block_size) if self.in_place_attention else None)
+            paged=self._paged_runs(decodes, block_size) if self.in_place_attention else None,
+            amx_prefill=self.amx_prefill)
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
         return StepInputs(self._long(ids), self._long(positions), meta, self._long(logit_rows),
                           tuple((first_row[i], last_row[i] + 1) for i in range(len(chunks))))
@@ -156,9 +159,12 @@ class ModelRunner:
                 out.append(PrefillChunk(row, row + n, 0, None, None))
             else:
                 ids = self._long(c.block_table[:_num_blocks(c.end_pos, block_size)])
-                key_pos = torch.arange(c.end_pos, device=self.device)
-                query_pos = torch.arange(c.start_pos, c.end_pos, device=self.device)
-                out.append(PrefillChunk(row, row + n, c.start_pos, ids, key_pos[None, :] <= query_pos[:, None]))
+                mask = None
+                if not self.amx_prefill:  # SDPA needs the causal mask with the chunk's offset
+                    key_pos = torch.arange(c.end_pos, device=self.device)
+                    query_pos = torch.arange(c.start_pos, c.end_pos, device=self.device)
+                    mask = key_pos[None, :] <= query_pos[:, None]
+                out.append(PrefillChunk(row, row + n, c.start_pos, ids, mask))
             row += n
         return tuple(out)
 

@@ -51,10 +51,12 @@ def gather_reference(q, k_cache, v_cache, table, start_pos, scale):
 
 
 class _Runner(ModelRunner):
-    """Only `prepare`: the metadata of a step for the route chosen by `in_place`."""
+    """Only `prepare`: the metadata of a step for the route chosen by `in_place` (prefill chunks as the
+    runner would send them for this dtype and head dim)."""
 
-    def __init__(self, in_place: bool):
+    def __init__(self, in_place: bool, dtype: torch.dtype, head_dim: int):
         self.device, self.in_place_attention = torch.device("cpu"), in_place
+        self.amx_prefill = attention.amx_prefill_supported(dtype, self.device, head_dim)
         self.model = type("M", (), {"max_positions": 1 << 20, "config": type("C", (), {"vocab_size": 10})()})()
 
 
@@ -71,7 +73,7 @@ def run_step(chunks, storage, layer, hq, dtype, in_place, seed=1):
     hkv, dim = storage.num_kv_heads, storage.head_dim
     q = torch.randn(t, hq, dim, generator=g).to(dtype)
     k, v = torch.randn(t, hkv, dim, generator=g).to(dtype), torch.randn(t, hkv, dim, generator=g).to(dtype)
-    inputs = _Runner(in_place).prepare(chunks, BS)
+    inputs = _Runner(in_place, dtype, dim).prepare(chunks, BS)
     kc, vc = storage.layer(layer)
     out = attention.paged_attention(q, k, v, kc, vc, inputs.meta, scale=dim ** -0.5)
     return out, q, inputs

@@ -57,7 +57,7 @@ class PrefillChunk:
     token_end: int
     start_pos: int
     block_ids: torch.Tensor | None  # [nb] long, blocks covering [0, end_pos); None when start_pos == 0
-    mask: torch.Tensor | None  # [n, end_pos] bool causal mask with offset; None when start_pos == 0
+    mask: torch.Tensor | None  # [n, end_pos] bool causal mask with offset; None when start_pos == 0 or the AMX op serves prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +77,22 @@ class AttentionMetadata:
     decode: DecodeBatch | None  # torch route only
     prefills: tuple[PrefillChunk, ...]
     paged: PagedRuns | None = None  # in-place route: the decodes (then `decode` is None)
+    amx_prefill: bool = False  # prefill chunks through the AMX op (`amx_prefill_supported`; chunks then carry no mask)
 
 
 def in_place_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether the in-place kernel serves this model: CPU, fp32 or bf16, and the library is built."""
     return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and paged_attention_op() is not None)
+
+
+def amx_prefill_supported(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Whether prefill chunks go through the AMX op (engine/kernels/causal_attention.cpp): CPU, bf16, a
+    head dim that is a multiple of 32 up to 256, the op built and AMX here; else SDPA. The op walks 64-key
+    blocks to the diagonal; SDPA's CPU kernel walks 512-key blocks and so computes about 75% of a
+    1,024-token prompt's score matrix, not its causal half, and a later chunk's mask skips nothing."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and head_dim % 32 == 0
+            and head_dim <= 256 and causal_attention_op() is not None)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -121,31 +131,21 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, c: PrefillChunk, scale: float) -> torch.Tensor:
-    """q: [n, Hq, D], k/v: [n, Hkv, D] (this chunk's fresh ones) -> [n, Hq, D]."""
+                       v_cache: torch.Tensor, c: PrefillChunk, scale: float, amx: bool) -> torch.Tensor:
+    """q: [n, Hq, D], k/v: [n, Hkv, D] (this chunk's fresh ones) -> [n, Hq, D]. `amx`: the AMX op
+    (AttentionMetadata.amx_prefill), else SDPA."""
     if c.block_ids is None:  # first chunk: its whole context is itself
         keys, values, mask, causal = k, v, None, True
     else:
         end = c.start_pos + q.shape[0]
         keys, values = _gather(k_cache, c.block_ids)[:end], _gather(v_cache, c.block_ids)[:end]
         keys, values, mask, causal = keys.to(q.dtype), values.to(q.dtype), c.mask, False
-    if (op := _amx_causal_for(q, keys)) is not None:
-        return op(q, keys, values, c.start_pos, scale)
+    if amx:
+        return causal_attention_op()(q, keys, values, c.start_pos, scale)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                          values.transpose(0, 1).unsqueeze(0), attn_mask=mask,
                                          is_causal=causal, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
-
-
-def _amx_causal_for(q: torch.Tensor, keys: torch.Tensor):
-    """The AMX prefill op (engine/kernels/causal_attention.cpp) when it takes these tensors, else None
-    (SDPA then). It walks 64-key blocks to the diagonal; SDPA's CPU kernel walks 512-key blocks and so
-    computes about 75% of a 1,024-token prompt's score matrix, not its causal half."""
-    if (q.device.type != "cpu" or q.dtype != torch.bfloat16 or keys.dtype != torch.bfloat16
-            or q.shape[-1] % 32 or q.shape[-1] > 256 or q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]
-            or keys.stride(-1) != 1):
-        return None
-    return causal_attention_op()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -164,7 +164,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta.decode, scale)
     for c in meta.prefills:
         s, e = c.token_start, c.token_end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale)
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale, meta.amx_prefill)
     return out
 
 
@@ -176,5 +176,5 @@ def _in_place_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     out = paged_attention_op()(q, k_cache, v_cache, p.block_tables, p.row_start, p.num_rows, p.start_pos, scale)
     for c in meta.prefills:
         s, e = c.token_start, c.token_end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale)
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale, meta.amx_prefill)
     return out
