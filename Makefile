@@ -22,7 +22,8 @@ venv: $(STAMP)
 # The engine's C++ CPU kernels (in-place paged attention, INT4 and INT8 AMX linears), built with the system g++ against the
 # venv's torch, for this CPU. Without them the engine runs its torch-only paths (and says so).
 KERNELS := engine/kernels/_morphserve_kernels.so
-$(KERNELS): engine/kernels/paged_attention.cpp engine/kernels/int4_amx.cpp engine/kernels/mkldnn_blob.cpp engine/kernels/int8_amx.cpp engine/kernels/fused_elementwise.cpp engine/kernels/simd_math.h engine/kernels/build.py $(STAMP)
+# Every source and header: a changed one rebuilds the library (a listed-by-hand set missed new files).
+$(KERNELS): $(wildcard engine/kernels/*.cpp engine/kernels/*.h) engine/kernels/build.py $(STAMP)
 	$(PY) -m engine.kernels.build
 kernels: $(KERNELS)
 
