@@ -1,16 +1,24 @@
-"""Full-precision linears with pre-packed (oneDNN blocked) weights, still swappable.
+"""Full-precision linears with pre-packed weights, still swappable.
 
 F.linear on a bf16 CPU weight hands oneDNN a plain [out, in] matrix, which it re-blocks for its
-AVX512-BF16 / AMX micro-kernels on every call. `torch.ops.mkldnn._reorder_linear_weight` does that
-once; `torch.ops.mkldnn._linear_pointwise` then runs on the blocked copy (what vLLM's CPU build and
-torch.compile's freezing do). Same arithmetic: outputs are bit-identical to F.linear here.
+AVX512-BF16 / AMX micro-kernels on every call. Packing once, when a layer is installed, avoids that.
+Two layouts, chosen per group by what this process can run (`PackedGroup.layout`):
+
+- "vnni32" (a CPU with AMX-BF16 and the engine's compiled kernels; engine/kernels/bf16_amx.cpp): the
+  weight as [out/32, in/2, 32, 2], AMX's B operand in 32-column blocks. Up to 32 rows (decode steps)
+  the op streams each block once, in order, with prefetch: oneDNN's blocked kernel read 30 layers'
+  weights at 6-8 GB/s at 32 rows here, a plain read of the same bytes runs at 14 GB/s. More rows go
+  through ATen's brgemm on the same bytes. Needs in and out features that are multiples of 32.
+- "mkldnn" (elsewhere): `torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call
+  (what vLLM's CPU build and torch.compile's freezing do); outputs bit-identical to F.linear.
 
 How it stays swappable: a decoder layer packs a group of linears (q/k/v, gate/up, o, down) when it
 installs them (`DecoderLayer.set_weights`, also after a load or a restore), so packing is part of the
-swap's latency. The group's members are `PackedLinear`s: each implements the linear protocol with
-`nbytes()` = its rows of the packed tensor (the members of a group sum to exactly the packed bytes, so
-the ledger counts every resident byte) and `.weight` = a plain copy of its rows, read back from the
-packed tensor (bit-identical to what was packed) for tools and tests. The plain weights are not kept.
+swap's latency (a restore from the packed store maps bytes already laid out: engine/morph/packed_store.py).
+The group's members are `PackedLinear`s: each implements the linear protocol with `nbytes()` = its rows
+of the packed tensor (the members of a group sum to exactly the packed bytes, so the ledger counts every
+resident byte) and `.weight` = a plain copy of its rows, read back from the packed tensor (bit-identical
+to what was packed) for tools and tests. The plain weights are not kept.
 
 Only where it pays: bf16 on a CPU with native bf16 (engine/capability.py). Elsewhere layers keep
 DenseLinear and F.linear.
@@ -23,9 +31,30 @@ import torch
 from torch import Tensor, nn
 
 from engine.capability import detect_capability
+from engine.kernels import bf16_amx_op
 from engine.precision import Precision, full_precision_for
 
 _PACK_BATCH_HINT = 32  # oneDNN's reorder takes an expected row count; the blocked layout does not depend on it
+VNNI_BLOCK = 32  # columns per block of the "vnni32" layout (engine/kernels/bf16_amx.cpp)
+_VNNI_MD = b"morphserve:vnni32"  # the descriptor to_blob returns for that layout (oneDNN's is its serialized md)
+
+
+def vnni_layout_fits(weight: Tensor) -> bool:
+    """The "vnni32" layout can hold `weight` ([out, in]) and this process can run it."""
+    out_f, in_f = weight.shape
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out_f % VNNI_BLOCK == 0
+            and in_f % VNNI_BLOCK == 0 and bf16_amx_op() is not None)
+
+
+def pack_vnni(weight: Tensor) -> Tensor:
+    """[out, in] -> [out/32, in/2, 32, 2]: block b, pair-row p holds (w[32 b + j, 2 p], w[32 b + j, 2 p + 1])."""
+    out_f, in_f = weight.shape
+    return weight.detach().reshape(out_f // VNNI_BLOCK, VNNI_BLOCK, in_f // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_vnni(packed: Tensor) -> Tensor:
+    blocks, pairs = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(blocks * VNNI_BLOCK, pairs * 2)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -39,7 +68,10 @@ class PackedGroup:
 
     def __init__(self, weight: Tensor, bias: Tensor | None):
         """weight: plain [sum of out_features, in] (read, not kept); bias: [sum of out] or None (kept)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        if vnni_layout_fits(weight):
+            self.layout, self.packed = "vnni32", pack_vnni(weight)
+        else:
+            self.layout, self.packed = "mkldnn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.dtype = weight.dtype
@@ -48,29 +80,40 @@ class PackedGroup:
     @classmethod
     def from_blob(cls, blob: Tensor, md: Tensor, bias: Tensor | None, out_features: int, in_features: int,
                   dtype: torch.dtype) -> "PackedGroup":
-        """A group over bytes already in oneDNN's packed layout (`to_blob` of an equal group, described
-        by `md`): no packing and no copy; the group keeps `blob` alive, since the packed tensor made
-        over it does not own it (engine/kernels/mkldnn_blob.cpp)."""
+        """A group over bytes already in a packed layout (`to_blob` of an equal group, described by `md`):
+        no packing and no copy; the group keeps `blob` alive (an mkldnn tensor made over it does not own
+        it, engine/kernels/mkldnn_blob.cpp)."""
         group = cls.__new__(cls)
-        group.packed = torch.ops.morphserve.mkldnn_from_blob(blob, md, [out_features, in_features], dtype)
+        if bytes(md.numpy()) == _VNNI_MD:
+            group.layout = "vnni32"
+            group.packed = blob.view(dtype).view(out_features // VNNI_BLOCK, in_features // 2, VNNI_BLOCK, 2)
+        else:
+            group.layout = "mkldnn"
+            group.packed = torch.ops.morphserve.mkldnn_from_blob(blob, md, [out_features, in_features], dtype)
         group.bias = None if bias is None else bias.detach().contiguous()
         group.out_features, group.in_features, group.dtype = out_features, in_features, dtype
         group._blob = blob
         return group
 
     def to_blob(self) -> tuple[Tensor, Tensor]:
-        """(bytes, descriptor): a copy of the packed bytes and oneDNN's serialized descriptor of them."""
+        """(bytes, descriptor): a copy of the packed bytes and what says how they are laid out."""
+        if self.layout == "vnni32":
+            return self.packed.reshape(-1).view(torch.uint8).clone(), torch.frombuffer(bytearray(_VNNI_MD), dtype=torch.uint8)
         return torch.ops.morphserve.mkldnn_to_blob(self.packed), torch.ops.mkldnn._get_mkldnn_serialized_md(self.packed)
 
     def nbytes(self) -> int:
-        return int(torch.ops.mkldnn._nbytes(self.packed)) + (0 if self.bias is None else self.bias.nbytes)
+        packed = self.packed.nbytes if self.layout == "vnni32" else int(torch.ops.mkldnn._nbytes(self.packed))
+        return packed + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.layout == "vnni32":
+            return torch.ops.morphserve.bf16_amx_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def plain_rows(self, start: int, stop: int) -> Tensor:
         """A plain copy of weight rows [start, stop) (bit-identical to what was packed)."""
-        return self.packed.to_dense()[start:stop].clone()
+        plain = unpack_vnni(self.packed) if self.layout == "vnni32" else self.packed.to_dense()
+        return plain[start:stop].clone()
 
 
 class PackedLinear(nn.Module):
