@@ -11,6 +11,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from engine.kernels import argmax_op
 from engine.logits_processors import RowContext, apply_processors, min_p_filter
 from engine.sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
     logits = logits.float()
     if contexts is not None and any(c is not None for c in contexts):
         logits = apply_processors(logits, list(params), list(contexts))
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         index = torch.tensor(rows, device=logits.device)
@@ -40,6 +41,13 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[to
             noise[j].exponential_(generator=generators[i])
         tokens[index] = (probs / noise).argmax(dim=-1)
     return tokens.tolist()
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over each row (torch.argmax's ties and NaNs); on CPU through the compiled op, which is
+    several times faster than torch's at a batch of vocabulary-wide rows."""
+    op = argmax_op() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    return logits.argmax(dim=-1) if op is None else op(logits)
 
 
 def _filtered_probs(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Sampler: greedy, top-k/top-p filtering, seeded reproducibility alone and in a batch."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.sampler import sample
+from engine.kernels import argmax_op
+from engine.sampler import greedy, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -61,3 +63,21 @@ def test_same_seed_same_tokens_alone_or_batched():
     batched = [sample(logits, params, gens) for _ in range(5)]
     assert [[b[i] for b in batched] for i in range(6)] == alone
     assert len({tuple(a) for a in alone[:2]}) == 2  # not a constant
+
+
+@pytest.mark.skipif(argmax_op() is None, reason="the compiled kernels are not built")
+def test_compiled_greedy_argmax_is_torch_argmax_with_its_ties_and_nans():
+    torch.manual_seed(0)
+    vocab = 49_157  # not a multiple of the vector width: the tail is scanned too
+    logits = torch.randn(9, vocab)
+    logits[1, 100] = logits[1, 40_000] = 1e4  # a tie: the first index
+    logits[2, vocab - 1] = 1e4  # the max in the tail
+    logits[3] = float("-inf")  # all -inf: index 0
+    logits[4, 7] = logits[4, 5000] = float("nan")  # NaN wins, the first one
+    logits[5, :] = 1.0  # all equal
+    logits[6, 3] = float("inf")
+    for rows in (logits, logits[:1], logits[::2]):  # non-contiguous rows too
+        assert torch.equal(greedy(rows), rows.argmax(dim=-1))
+    assert torch.equal(argmax_op()(logits), logits.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="fp32"):
+        argmax_op()(logits.to(torch.bfloat16))
