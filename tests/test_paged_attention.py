@@ -229,3 +229,30 @@ def test_amx_prefill_attention_rejects_bad_shapes():
         causal_attention_op()(q, kv, kv, 0, 0.125)
     with pytest.raises(RuntimeError, match="bfloat16 only"):
         causal_attention_op()(q.float(), kv.float(), kv.float(), 1, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_op_fills_the_same_slots_as_index_put(dtype):
+    storage = KVStorage(3, BS, 2, 8, dtype, "cpu", max_blocks=12, capacity=12)
+    kc, vc = storage.layer(1)
+    qkv = torch.randn(10, 9, 8).to(dtype)  # k and v as strided views of a fused projection, as the layer has them
+    k, v = qkv[:, 5:7], qkv[:, 7:]
+    blocks = torch.tensor([3, 3, 0, 11, 7, 7, 7, 7, 2, 5])
+    offsets = torch.tensor([0, 1, 3, 2, 0, 1, 2, 3, 1, 0])
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.index_put_((blocks, offsets), k)
+    want_v.index_put_((blocks, offsets), v)
+    torch.ops.morphserve.write_kv(kc, vc, k, v, blocks, offsets)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    other_k, other_v = storage.layer(2)
+    assert not other_k.any() and not other_v.any()  # only layer 1's slots were written
+
+
+def test_kv_write_op_rejects_slots_outside_the_cache():
+    storage = KVStorage(1, BS, 2, 8, torch.float32, "cpu", max_blocks=4, capacity=4)
+    kc, vc = storage.layer(0)
+    k = torch.randn(2, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.morphserve.write_kv(kc, vc, k, k, torch.tensor([0, 4]), torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.morphserve.write_kv(kc, vc, k.to(torch.bfloat16), k, torch.tensor([0, 1]), torch.tensor([0, 0]))

@@ -1,6 +1,6 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int8_amx_op()` / `bf16_amx_op()` / `argmax_op()`
+`paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int8_amx_op()` / `bf16_amx_op()` / `argmax_op()` / `kv_write_op()`
 are the ops, or None when the library is not built or is older than its sources (the callers then use
 their torch-only path, and `available_reason()` says why). The AMX ops also need a CPU with AMX (BF16
 for INT4 and prefill attention, INT8 for INT8) at run time and a library compiled for it (int4_amx.cpp,
@@ -17,7 +17,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp",
            HERE / "fused_elementwise.cpp", HERE / "causal_attention.cpp", HERE / "bf16_amx.cpp",
-           HERE / "greedy.cpp")
+           HERE / "greedy.cpp", HERE / "kv_write.cpp")
 HEADERS = (HERE / "simd_math.h", HERE / "amx_tiles.h")  # included by the sources: a change rebuilds too
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
@@ -51,6 +51,13 @@ def elementwise_ops():
     as the `torch.ops.morphserve` namespace, or None when the library is not loaded."""
     _load()
     return None if _state["reason"] else torch.ops.morphserve
+
+
+def kv_write_op():
+    """`torch.ops.morphserve.write_kv` (kv_write.cpp: a step's K/V rows into their cache slots), or None
+    when the library is not loaded."""
+    _load()
+    return None if _state["reason"] else torch.ops.morphserve.write_kv
 
 
 def argmax_op():

@@ -16,7 +16,7 @@ One step runs a flat batch of T tokens (every scheduled chunk concatenated). The
 
 and builds an `AttentionMetadata` once per step; every layer reuses it. Per layer:
 
-  1. write K/V of all T new tokens into their slots:   k_cache[block, offset] = k   (one index_put_)
+  1. write K/V of all T new tokens into their slots:   k_cache[block, offset] = k   (one op call)
   2. decodes: gather each request's blocks by its block table into a padded [B*Hkv, S, D], one bmm
      for the scores, -inf on the padding, fp32 softmax, one bmm for the output; GQA by folding each
      kv head's group of query heads into the query-row axis (a kv head serves num_heads // num_kv_heads
@@ -38,7 +38,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import causal_attention_op, paged_attention_op
+from engine.kernels import causal_attention_op, kv_write_op, paged_attention_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,13 @@ def amx_prefill_supported(dtype: torch.dtype, device: torch.device | str, head_d
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """k, v: [T, Hkv, D] -> their slots in the cache (in place, through the strided views)."""
+    """k, v: [T, Hkv, D] -> their slots in the cache (in place, through the strided views). On CPU one
+    compiled call (engine/kernels/kv_write.cpp: a memcpy per row) where the rows are laid out for it."""
+    op = kv_write_op() if k_cache.device.type == "cpu" else None
+    if (op is not None and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
+            and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v, k_cache, v_cache))):
+        op(k_cache, v_cache, k, v, meta.write_blocks, meta.write_offsets)
+        return
     index = (meta.write_blocks, meta.write_offsets)
     k_cache.index_put_(index, k.to(k_cache.dtype))
     v_cache.index_put_(index, v.to(v_cache.dtype))
