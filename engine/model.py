@@ -74,6 +74,7 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.head_dim ** -0.5
         self.pack = False  # pre-pack dense weights for oneDNN (set by Transformer.pack_linears)
+        self.fuse_residual = True  # Transformer.forward runs forward_residual; False: forward (hooks)
         biased = layer_bias_names(config, index)
         for name, (out_f, in_f) in linear_shapes(config).items():
             setattr(self, name, DenseLinear.empty(in_f, out_f, name in biased, dtype, device))
@@ -147,8 +148,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """The layer's input hidden states -> its output, each submodule called as a module (so hooks see
+        every input: engine/quant/awq.py record_calibration). Transformer.forward runs forward_residual."""
         h = x + self.attention(self.input_layernorm(x), positions, rope, meta, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                         rope: RotaryEmbedding, meta: AttentionMetadata, kv: KVCache
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with the residual stream carried apart: the layer's input is residual + x (x alone
+        when residual is None) and its output is the sum of the two returned tensors (mlp out, residual).
+        Each residual add then runs inside the norm that follows it (RMSNorm.add_forward), the same
+        roundings as forward()'s adds, so the two are bit-identical (tests/test_fused_linears.py)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.add_forward(x, residual)
+        a = self.attention(normed, positions, rope, meta, kv)
+        normed, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(normed), residual
 
     def attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                   meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
@@ -218,9 +236,13 @@ class Transformer(nn.Module):
                 kv_caches: Sequence[KVCache]) -> torch.Tensor:
         """input_ids, positions: [T] long; kv_caches[l] = layer l's (k, v) views -> hidden [T, H]."""
         x = F.embedding(input_ids, self.embed_weight)  # [T, H]
+        residual = None  # the hidden states are x + residual (x alone while None)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, meta, kv)
-        return x
+            if layer.fuse_residual:
+                x, residual = layer.forward_residual(x, residual, positions, self.rotary, meta, kv)
+            else:
+                x, residual = layer(x if residual is None else residual + x, positions, self.rotary, meta, kv), None
+        return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> fp32 logits [N, vocab]."""

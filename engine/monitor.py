@@ -23,9 +23,7 @@ class PressureMonitor:
         self.window_s = window_s
         self.clock = clock or time.monotonic
         self.start_time = self.clock()
-        self._ttfts: collections.deque[tuple[float, float]] = collections.deque()  # (time, ttft)
-        self._tpots: collections.deque[tuple[float, float]] = collections.deque()  # (time, gap)
-        self._tokens: collections.deque[tuple[float, int]] = collections.deque()  # (time, count)
+        self._ttfts, self._tpots, self._tokens = _Window(), _Window(), _Window()  # ttft s, decode gap s, tokens
         self.step_count = 0
         self.reservation_tokens = reservation_tokens  # replaced by the admission morpher's when it has one
         self.admission = None  # engine/morph/admission.py: AdmissionMorpher, when morphing is on
@@ -36,14 +34,14 @@ class PressureMonitor:
         return measure_demand(sch.waiting, sch.running, sch.kv, tokens, sch.max_num_batched_tokens, sch.max_num_seqs)
 
     def record_first_token(self, now: float, ttft_s: float) -> None:
-        self._ttfts.append((now, ttft_s))
+        self._ttfts.append(now, ttft_s)
 
     def record_decode_gap(self, now: float, gap_s: float) -> None:
-        self._tpots.append((now, gap_s))
+        self._tpots.append(now, gap_s)
 
     def record_tokens(self, now: float, count: int) -> None:
         if count:
-            self._tokens.append((now, count))
+            self._tokens.append(now, count)
 
     def on_step(self) -> PressureSnapshot:
         self.step_count += 1
@@ -64,9 +62,9 @@ class PressureMonitor:
             kv_max_blocks=self.pool.max_blocks,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             queue_delay_s=max(0.0, now - oldest) if oldest is not None else 0.0,
-            ttft_recent_s=_mean(v for _, v in self._ttfts),
-            tpot_recent_s=_mean(v for _, v in self._tpots),
-            throughput_tok_s=sum(c for _, c in self._tokens) / span,
+            ttft_recent_s=self._ttfts.mean(),
+            tpot_recent_s=self._tpots.mean(),
+            throughput_tok_s=self._tokens.total / span,
             preemptions_total=self.scheduler.num_preemptions,
             ledger=self.ledger.figures(),
             waiting_demand_blocks=demand.waiting_total_blocks,
@@ -74,21 +72,40 @@ class PressureMonitor:
             running_reserved_blocks=demand.running_reserved_blocks,
             running_finish_blocks=demand.running_finish_blocks, reservation_tokens=tokens,
             rung_gain_blocks=adm.rung_gain_blocks() if adm is not None else (),
-            ttft_recent_p95_s=_quantile([v for _, v in self._ttfts], 0.95),
+            ttft_recent_p95_s=_quantile(self._ttfts.values(), 0.95),
             head_blocked_since=adm.blocked_since if adm is not None else None,
             admission_swaps_total=counters.get("swaps", 0), admission_layers_total=counters.get("layers_swapped", 0),
             admission_restores_total=counters.get("restores", 0), admission_capped_total=counters.get("capped", 0))
 
     def _expire(self, now: float) -> None:
-        horizon = now - self.window_s
-        for q in (self._ttfts, self._tpots, self._tokens):
-            while q and q[0][0] < horizon:
-                q.popleft()
+        for w in (self._ttfts, self._tpots, self._tokens):
+            w.expire(now - self.window_s)
 
 
-def _mean(values) -> float | None:
-    vals = list(values)
-    return sum(vals) / len(vals) if vals else None
+class _Window:
+    """(time, value) entries of the last window with their running total: the snapshot after every step
+    reads the mean in O(1) (summing the window each step cost about 1 ms at 32 running requests)."""
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[tuple[float, float]] = collections.deque()
+        self.total = 0.0
+
+    def append(self, now: float, value: float) -> None:
+        self._entries.append((now, value))
+        self.total += value
+
+    def expire(self, horizon: float) -> None:
+        q = self._entries
+        while q and q[0][0] < horizon:
+            self.total -= q.popleft()[1]
+        if not q:
+            self.total = 0.0  # no rounding residue survives an empty window
+
+    def mean(self) -> float | None:
+        return self.total / len(self._entries) if self._entries else None
+
+    def values(self) -> list[float]:
+        return [v for _, v in self._entries]
 
 
 def _quantile(values: list[float], q: float) -> float | None:

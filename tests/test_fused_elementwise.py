@@ -62,6 +62,32 @@ def test_rms_norm_on_a_row_slice():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, rows):
+    # The residual add fused into the norm (the model's forward_residual): the sum is torch's add to the
+    # bit, the normed rows are what rms_norm gives that sum, and neither input changes.
+    norm = RMSNorm((1 + 0.3 * torch.randn(576, generator=gen(3))).to(dtype), 1e-5)
+    big = (3 * torch.randn(rows, 700, generator=gen(rows))).to(dtype)
+    x, residual = big[:, 50:626], (2 * torch.randn(rows, 576, generator=gen(rows + 1))).to(dtype)  # x row-strided
+    before = (x.clone(), residual.clone())
+    normed, h = norm.add_forward(x, residual)
+    assert torch.equal(h, residual + x)
+    assert torch.equal(normed, norm(residual + x))
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+    assert torch.equal(norm.add_forward(x[rows // 2:rows // 2 + 1], residual[rows // 2:rows // 2 + 1])[0],
+                       normed[rows // 2:rows // 2 + 1])  # row-invariant
+
+
+def test_add_rms_norm_rejects_mismatched_inputs():
+    op = torch.ops.morphserve.add_rms_norm
+    w = torch.ones(64)
+    with pytest.raises(RuntimeError, match="same shape and dtype"):
+        op(torch.zeros(2, 64), torch.zeros(3, 64), w, 1e-6)
+    with pytest.raises(RuntimeError, match="same shape and dtype"):
+        op(torch.zeros(2, 64), torch.zeros(2, 64, dtype=torch.bfloat16), w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_silu_and_mul_matches_torch(dtype, rows):
     gate_up = (4 * torch.randn(rows, 2 * 1536, generator=gen(rows))).to(dtype)

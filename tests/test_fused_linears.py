@@ -94,3 +94,13 @@ def test_fuse_dense_refuses_what_it_cannot_fuse():
     assert fuse_dense([a, DenseLinear(torch.randn(2, 3, dtype=torch.bfloat16))]) is None
     assert fuse_dense([a, DenseLinear(torch.randn(2, 3), torch.randn(2))]) is None  # bias on one only
     assert fuse_dense([a, Wrapped(DenseLinear(torch.randn(2, 3)))]) is None
+
+
+def test_residual_adds_fused_into_the_norms_change_no_bit(tiny_model_dir):
+    # Transformer.forward runs each layer's forward_residual (the adds inside the next norm); with
+    # fuse_residual off it calls the layers as modules (what AWQ calibration hooks). Same logits.
+    model = load_model(tiny_model_dir)
+    fused = logits(model)
+    for layer in model.layers:
+        layer.fuse_residual = False
+    assert torch.equal(logits(model), fused)

@@ -98,6 +98,50 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// The residual add fused into the norm that follows it (vLLM's fused_add_rms_norm): h = x + residual
+// rounded to dtype as torch's add rounds it, y = rms_norm(h); one pass reads both inputs and writes
+// both outputs, where the add alone was a pass of its own. Returns (y, h).
+template <typename T>
+void add_norm_rows(const T* x, int64_t x_s, const T* res, int64_t r_s, const T* w, T* out, T* sum, int64_t rows,
+                   int64_t n, float eps) {
+  for_rows(rows, n, [&](int64_t r) {
+    const T* a = x + r * x_s;
+    const T* b = res + r * r_s;
+    T* h = sum + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = to_float(from_float<T>(to_float(a[i]) + to_float(b[i])));
+      h[i] = from_float<T>(v);
+      ss += v * v;
+    }
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    T* o = out + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) o[i] = from_float<T>(to_float(w[i]) * to_float(from_float<T>(to_float(h[i]) * inv)));
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(residual, "add_rms_norm");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: x and residual must have the same shape and dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
+              weight.scalar_type() == x.scalar_type(), "add_rms_norm: weight must be [hidden] contiguous, x's dtype");
+  const auto [rows, x_s] = row_layout(x, "add_rms_norm");
+  const auto r_s = row_layout(residual, "add_rms_norm").second;
+  auto out = at::empty(x.sizes(), x.options());
+  auto sum = at::empty(x.sizes(), x.options());
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    add_norm_rows<T>(x.data_ptr<T>(), x_s, residual.data_ptr<T>(), r_s, weight.data_ptr<T>(), out.data_ptr<T>(),
+                     sum.data_ptr<T>(), rows, x.size(-1), static_cast<float>(eps));
+  });
+  return {out, sum};
+}
+
 // x: [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]; silu rounded to dtype before the product, as
 // torch's F.silu(gate) * up does.
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -165,12 +209,14 @@ void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(morphserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
 }

@@ -31,6 +31,16 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(h), h) for h = residual + x, h rounded to the dtype as torch's add rounds it. With the
+        compiled kernels one pass (the add was a pass of its own); the inputs are not modified."""
+        ops = elementwise_ops_for(x)
+        if (ops is not None and x.dtype == residual.dtype == self.weight.dtype and self.weight.is_contiguous()
+                and residual.stride(-1) == 1 and x.dim() == 2 and residual.dim() == 2):
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """forward() with torch's ops (any device; the kernel's reference in tests)."""
         # Why fp32: the mean of squares overflows / loses precision in bf16 and fp16. torch's fused

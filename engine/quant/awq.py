@@ -134,12 +134,17 @@ def record_calibration(layer: torch.nn.Module) -> Iterator[list[LayerCalibration
 
     targets = {"hidden": layer, "attn_out": layer.o_proj, "residual": layer.post_attention_layernorm}
     handles = [m.register_forward_pre_hook(keep(k)) for k, m in targets.items()]
+    fused = getattr(layer, "fuse_residual", None)
+    if fused is not None:  # engine.model.DecoderLayer: run as modules, not with the adds fused into the norms
+        layer.fuse_residual = False
     result: list[LayerCalibration] = []
     try:
         yield result
     finally:
         for h in handles:
             h.remove()
+        if fused is not None:
+            layer.fuse_residual = fused
     if not seen["hidden"]:
         raise ValueError("record_calibration saw no forward pass of the layer; run the model inside the with-block")
     result.append(LayerCalibration(**{k: torch.cat(v) for k, v in seen.items()}))
