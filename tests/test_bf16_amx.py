@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine.kernels import bf16_amx_op, bf16_amx_reason
-from engine.layers.packed import PackedGroup, pack_vnni, unpack_vnni
+import torch.nn.functional as F
+
+from engine.layers.packed import PLAIN_GEMM_ROWS, PackedGroup, pack_vnni, unpack_vnni
 
 pytestmark = pytest.mark.skipif(bf16_amx_reason() is not None, reason=f"bf16 AMX op: {bf16_amx_reason()}")
 
@@ -77,6 +79,24 @@ def test_packed_group_uses_the_layout_and_round_trips_bit_identically():
     assert wrapped.layout == "vnni32" and wrapped.packed.data_ptr() == blob.data_ptr()  # a view, not a copy
     x = torch.randn(5, 128).to(torch.bfloat16)
     assert torch.equal(wrapped(x), group(x))
+
+
+def test_a_large_chunk_runs_f_linear_on_the_unpacked_weight():
+    # From PLAIN_GEMM_ROWS rows the group unpacks and calls F.linear: its result exactly, the packed
+    # bytes untouched, and within one bf16 rounding of the brgemm route below the threshold.
+    torch.manual_seed(11)
+    w = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
+    b = torch.randn(96).to(torch.bfloat16)
+    group = PackedGroup(w, b)
+    before = group.packed.clone()
+    x = torch.randn(PLAIN_GEMM_ROWS, 128).to(torch.bfloat16)
+    y = group(x)
+    assert torch.equal(y, F.linear(x, w, b))
+    assert torch.equal(group.packed, before)
+    below = group(x[:PLAIN_GEMM_ROWS - 1])
+    want = reference(x[:PLAIN_GEMM_ROWS - 1], w, b)
+    assert torch.allclose(below.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+    assert torch.allclose(y[:-1].double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
 
 
 def test_shapes_the_layout_cannot_hold_keep_onednn():

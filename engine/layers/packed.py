@@ -8,7 +8,10 @@ Two layouts, chosen per group by what this process can run (`PackedGroup.layout`
   weight as [out/32, in/2, 32, 2], AMX's B operand in 32-column blocks. Up to 32 rows (decode steps)
   the op streams each block once, in order, with prefetch: oneDNN's blocked kernel read 30 layers'
   weights at 6-8 GB/s at 32 rows here, a plain read of the same bytes runs at 14 GB/s. More rows go
-  through ATen's brgemm on the same bytes. Needs in and out features that are multiples of 32.
+  through ATen's brgemm on the same bytes; from `PLAIN_GEMM_ROWS` rows (large offline prefill chunks)
+  the group is unpacked into a transient plain copy for F.linear (oneDNN's own GEMM), which at 4,096
+  rows took 0.67x the brgemm route's time including the unpack. Needs in and out features that are
+  multiples of 32.
 - "mkldnn" (elsewhere): `torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call
   (what vLLM's CPU build and torch.compile's freezing do); outputs bit-identical to F.linear.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.capability import detect_capability
@@ -37,6 +41,12 @@ from engine.precision import Precision, full_precision_for
 _PACK_BATCH_HINT = 32  # oneDNN's reorder takes an expected row count; the blocked layout does not depend on it
 VNNI_BLOCK = 32  # columns per block of the "vnni32" layout (engine/kernels/bf16_amx.cpp)
 _VNNI_MD = b"morphserve:vnni32"  # the descriptor to_blob returns for that layout (oneDNN's is its serialized md)
+# From this many rows a vnni32 call unpacks the weight and runs F.linear. Measured on a 2-core Xeon
+# (SmolLM2's four weight shapes, 2 threads): brgemm route / (unpack + F.linear) = 0.71 at 1,024 rows,
+# 1.3 at 2,048, 1.5 at 4,096. The transient copy (one group's weight, out x in bf16) is smaller than the
+# activation reserve a step of this many rows implies (rows x (hidden + intermediate + vocab) x 2 B,
+# engine/memory_plan.py) for Llama-shaped models.
+PLAIN_GEMM_ROWS = 2048
 
 
 def vnni_layout_fits(weight: Tensor) -> bool:
@@ -53,8 +63,11 @@ def pack_vnni(weight: Tensor) -> Tensor:
 
 
 def unpack_vnni(packed: Tensor) -> Tensor:
+    """The plain [out, in] copy. Each (k even, k odd) pair moves as one int32: 3x faster than moving
+    bf16 elements two at a time."""
     blocks, pairs = packed.shape[:2]
-    return packed.transpose(1, 2).reshape(blocks * VNNI_BLOCK, pairs * 2)
+    as_pairs = packed.view(torch.int32).view(blocks, pairs, VNNI_BLOCK)
+    return as_pairs.transpose(1, 2).contiguous().view(torch.bfloat16).view(blocks * VNNI_BLOCK, pairs * 2)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -107,6 +120,8 @@ class PackedGroup:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.layout == "vnni32":
+            if x.dim() == 2 and x.shape[0] >= PLAIN_GEMM_ROWS:
+                return F.linear(x, unpack_vnni(self.packed), self.bias)
             return torch.ops.morphserve.bf16_amx_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
