@@ -42,7 +42,7 @@ _PACK_BATCH_HINT = 32  # oneDNN's reorder takes an expected row count; the block
 VNNI_BLOCK = 32  # columns per block of the "vnni32" layout (engine/kernels/bf16_amx.cpp)
 _VNNI_MD = b"morphserve:vnni32"  # the descriptor to_blob returns for that layout (oneDNN's is its serialized md)
 # From this many rows a vnni32 call unpacks the weight and runs F.linear. Measured on a 2-core Xeon
-# (SmolLM2's four weight shapes, 2 threads): brgemm route / (unpack + F.linear) = 0.71 at 1,024 rows,
+# (SmolLM2's four weight shapes, 2 threads): brgemm route / (unpack + F.linear) = 0.83 at 1,024 rows,
 # 1.3 at 2,048, 1.5 at 4,096. The transient copy (one group's weight, out x in bf16) is smaller than the
 # activation reserve a step of this many rows implies (rows x (hidden + intermediate + vocab) x 2 B,
 # engine/memory_plan.py) for Llama-shaped models.
