@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.kernels import bf16_amx_op, bf16_amx_reason
 import torch.nn.functional as F
 
+from engine.kernels import bf16_amx_op, bf16_amx_reason
 from engine.layers.packed import PLAIN_GEMM_ROWS, PackedGroup, pack_vnni, unpack_vnni
 
 pytestmark = pytest.mark.skipif(bf16_amx_reason() is not None, reason=f"bf16 AMX op: {bf16_amx_reason()}")

@@ -63,7 +63,15 @@ void for_rows(int64_t rows, int64_t row_elems, const F& f) {
   });
 }
 
-// HF's RMSNorm: y = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the mean in fp32.
+// HF's RMSNorm of one row given its sum of squares: y = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype).
+template <typename T>
+inline void write_normed(const T* a, const T* w, T* o, int64_t n, float ss, float eps) {
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) o[i] = from_float<T>(to_float(w[i]) * to_float(from_float<T>(to_float(a[i]) * inv)));
+}
+
+// HF's RMSNorm, the mean in fp32.
 template <typename T>
 void norm_rows(const T* x, int64_t x_s, const T* w, T* out, int64_t rows, int64_t n, float eps) {
   for_rows(rows, n, [&](int64_t r) {
@@ -71,10 +79,7 @@ void norm_rows(const T* x, int64_t x_s, const T* w, T* out, int64_t rows, int64_
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) ss += to_float(a[i]) * to_float(a[i]);
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    T* o = out + r * n;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) o[i] = from_float<T>(to_float(w[i]) * to_float(from_float<T>(to_float(a[i]) * inv)));
+    write_normed(a, w, out + r * n, n, ss, eps);
   });
 }
 
@@ -111,14 +116,10 @@ void add_norm_rows(const T* x, int64_t x_s, const T* res, int64_t r_s, const T* 
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) {
-      const float v = to_float(from_float<T>(to_float(a[i]) + to_float(b[i])));
-      h[i] = from_float<T>(v);
-      ss += v * v;
+      h[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+      ss += to_float(h[i]) * to_float(h[i]);
     }
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    T* o = out + r * n;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) o[i] = from_float<T>(to_float(w[i]) * to_float(from_float<T>(to_float(h[i]) * inv)));
+    write_normed(h, w, out + r * n, n, ss, eps);
   });
 }
 
