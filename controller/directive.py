@@ -32,6 +32,9 @@ class Directive:
     slo_level: float | None = None  # SLO feedback level in [0, 1]; None when no SLO is set
     enter_kv_usage: float | None = None  # the entry thresholds this decision used (SLO feedback moves them)
     enter_queue_delay_s: float | None = None
+    # The quiet period the engine's demand restores need until the next directive (None: the engine's
+    # own restore_quiet_s); the fleet shortens it while every other replica is relaxed.
+    restore_quiet_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.target_quantized < 0:
@@ -61,4 +64,5 @@ class Directive:
                 "reason": self.reason, "source": self.source, "scale_out": self.scale_out,
                 "grant": self.grant, "max_quantized": self.max_quantized, "reservation_factor": round(self.reservation_factor, 4),
                 "waiting_for": self.waiting_for, "slo_level": self.slo_level,
-                "enter_kv_usage": self.enter_kv_usage, "enter_queue_delay_s": self.enter_queue_delay_s}
+                "enter_kv_usage": self.enter_kv_usage, "enter_queue_delay_s": self.enter_queue_delay_s,
+                "restore_quiet_s": self.restore_quiet_s}

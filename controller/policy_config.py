@@ -172,3 +172,7 @@ class FleetConfig(BaseModel):
         5.0, ge=0.0, description="saturation ends (and a scale-out request is withdrawn) only after this long without it: "
                                  "single unpressured snapshots under a steady overload do not restart the clock")
     max_extra_replicas: int = Field(4, ge=0, description="most extra replicas scale_out_signal() asks for at once")
+    fleet_restore_quiet_s: float | None = Field(
+        0.5, ge=0.0, description="while every other replica is relaxed, a replica's demand restores need only this "
+                                 "much quiet (the others take the load it gives back); None: always the engine's "
+                                 "restore_quiet_s")

@@ -42,6 +42,7 @@ class AppArgs(BaseModel):
     scale_out_reset_after_s: float = Field(5.0, ge=0.0, description="a scale-out request is withdrawn only after saturation has been absent this long (hysteresis)")
     replica_timeout_s: float = Field(10.0, gt=0.0, description="the controller forgets a replica silent this long and returns its grant")
     max_extra_replicas: int = Field(4, ge=0, description="most extra replicas the controller asks for at once")
+    fleet_restore_quiet_s: float | None = Field(0.5, ge=0.0, description="the quiet period a replica's restores need while every other replica is relaxed (None: always the engine's restore_quiet_s)")
     fleet_controller: bool = Field(True, description="false: no fleet controller; every replica runs its own policy (no fleet budget)")
     controller_name: str = Field(DEFAULT_NAME, min_length=1)
     controller_namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
@@ -58,6 +59,8 @@ class AppArgs(BaseModel):
     pressure_router: bool = Field(True, description="route engine requests by free KV blocks (deployments/router.py); false: Serve's default power of two choices")
     router_stale_after_s: float = Field(2.0, gt=0.0, description="older routing stats than this: the pressure router falls back to Serve's default")
     router_stats_period_s: float = Field(0.5, gt=0.0, description="how often Serve pulls each replica's routing stats")
+    router_morphed_penalty: float = Field(0.0, ge=0.0, description="pressure router: queued requests' worth added to a replica where the request fits only in the KV its morph added")
+    router_no_fit_penalty: float = Field(0.0, ge=0.0, description="pressure router: queued requests' worth added to a replica where the request does not fit now (it waits or morphs there)")
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one ingress replica handles at once")
     ingress_max_queued_requests: int = Field(64, ge=-1, description="HTTP requests Serve's proxy queues for the ingress beyond that (-1: no limit); beyond -> 503")
@@ -96,6 +99,10 @@ class AppArgs(BaseModel):
         if self.router_stale_after_s <= self.router_stats_period_s:
             raise ValueError(f"router_stale_after_s ({self.router_stale_after_s}) must exceed router_stats_period_s "
                              f"({self.router_stats_period_s}), or the router would always fall back")
+        if self.router_morphed_penalty > self.router_no_fit_penalty:
+            raise ValueError(f"router_morphed_penalty ({self.router_morphed_penalty}) must not exceed router_no_fit_penalty "
+                             f"({self.router_no_fit_penalty}): a request that needs a morph costs at least as much as one "
+                             "that keeps a morph")
         if "mode" in self.policy:
             raise ValueError("set the mode with the top-level 'mode' arg, not inside 'policy'")
         if self.autoscaling_config is not None:
@@ -133,7 +140,7 @@ class AppArgs(BaseModel):
         return FleetConfig(policy=self.policy_config(), fleet_max_quantized_layers=self.fleet_max_quantized_layers,
                            scale_out_after_s=self.scale_out_after_s,
                            scale_out_reset_after_s=self.scale_out_reset_after_s, replica_timeout_s=self.replica_timeout_s,
-                           max_extra_replicas=self.max_extra_replicas)
+                           max_extra_replicas=self.max_extra_replicas, fleet_restore_quiet_s=self.fleet_restore_quiet_s)
 
     def request_router_config(self) -> dict[str, Any] | None:
         """The engine deployment's `request_router_config` (None: Serve's default router)."""
@@ -142,7 +149,9 @@ class AppArgs(BaseModel):
         from deployments.router import ROUTER_IMPORT_PATH
 
         return {"request_router_class": ROUTER_IMPORT_PATH,
-                "request_router_kwargs": {"stale_after_s": self.router_stale_after_s},
+                "request_router_kwargs": {"stale_after_s": self.router_stale_after_s,
+                                          "morphed_penalty": self.router_morphed_penalty,
+                                          "no_fit_penalty": self.router_no_fit_penalty},
                 "request_routing_stats_period_s": self.router_stats_period_s,
                 "request_routing_stats_timeout_s": max(1.0, 2 * self.router_stats_period_s)}
 

@@ -200,7 +200,7 @@ class MorphLoop:
             return AdmissionGrant(n, n, pins.precision or directive.precision, directive.reservation_factor)
         allowed = directive.max_quantized if directive.max_quantized is not None else directive.target_quantized
         return AdmissionGrant(max(allowed, state.forced_quantized), state.forced_quantized, directive.precision,
-                              directive.reservation_factor)
+                              directive.reservation_factor, directive.restore_quiet_s)
 
     def action_for(self, directive: Directive, state: MorphState) -> SetQuantizedTarget | None:
         """The directive (or the operator's pin) as an engine action; None when nothing would change."""

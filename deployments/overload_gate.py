@@ -13,7 +13,7 @@ reached there, or Serve's back-pressure), and since that refusal
 
 A probe that is refused again closes the gate again. With several engine replicas a refusal comes
 from the one Serve's router picked as the least loaded (shortest queue, or the pressure router's
-"none admits"), so the others are full too. The gate is policy without I/O: the caller reports
+cheapest by queue length and KV fit), so the others are full too. The gate is policy without I/O: the caller reports
 what happened and asks before it sends. hold_s = 0 turns it off.
 """
 from __future__ import annotations

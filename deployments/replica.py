@@ -243,7 +243,8 @@ class LLMServer:
         return ReplicaLoad(free_blocks=snapshot.available_blocks - snapshot.waiting_demand_blocks,
                            num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=taken_at,
                            reservation_tokens=snapshot.reservation_tokens,
-                           num_quantized=self.engine.morph_state().num_quantized).to_stats()
+                           num_quantized=self.engine.morph_state().num_quantized,
+                           morph_blocks=max(0, snapshot.kv_capacity_blocks - self.engine.base_kv_blocks)).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.

@@ -1,51 +1,56 @@
-"""PressureAwareRouter: Ray Serve's request router for the engine replicas, by free KV memory.
+"""PressureAwareRouter: Ray Serve's request router for the engine replicas, by queue length and KV room.
 
 Ray Serve 2.60's custom request-router API: a deployment names a `RequestRouter` subclass in its
 `request_router_config`; every DeploymentHandle to it (here: the ingress's) routes each request by
-asking `choose_replicas(candidates, pending_request)` for ranked lists of replicas, and Serve picks
-the replica with the shortest queue within the first rank that accepts. Each replica's
-`record_routing_stats()` (LLMServer) is pulled by Serve every `request_routing_stats_period_s` and
-reaches the router as `replica.routing_stats`.
+asking `choose_replicas(candidates, pending_request)` for ranked lists of replicas, and Serve sends
+it to the first rank whose replica has room in its queue (shortest queue within a rank). Each
+replica's `record_routing_stats()` (LLMServer) is pulled by Serve every
+`request_routing_stats_period_s` and reaches the router as `replica.routing_stats`.
 
 A replica's stats are its latest pressure figures: the KV blocks a new request may take (free blocks
 net of demand: less what running requests are still owed inside their output reservation and what
-the waiting queue needs, engine/demand.py), waiting requests, block size, output reservation, the
-layers it holds quantized, and the wall-clock time of the step boundary they describe. A request
-needs the blocks admission reserves for it: its prompt plus the output reservation (capped by its
-max_tokens). The router subtracts the blocks of the requests it has itself sent there since that
-time (its in-flight count; a fresh report resets it, as the report then includes them), so a burst
-does not all land on the replica that looked emptiest at the last report (limit: each ingress
-replica's router counts only its own sends; the next stats, every `request_routing_stats_period_s`,
-include everyone's). Then:
+the waiting queue needs, engine/demand.py), how many of those its morph added (capacity now less
+the capacity at full precision), waiting requests, block size, output reservation, the layers it
+holds quantized, and the wall-clock time of the step boundary they describe. A request needs the
+blocks admission reserves for it: its prompt plus the output reservation (capped by its max_tokens).
+The router subtracts the blocks of the requests it has itself sent there since that time (its
+in-flight count; a fresh report resets it, as the report then includes them), so a burst does not
+all land on the replica that looked emptiest at the last report. Each replica then falls in a class:
 
-    admits: nothing waiting there and headroom >= the request's blocks (it starts without a morph)
-    rank 1: the replicas that admit, at most two drawn at random (power of two choices, as Serve's
-            default router); Serve takes the shorter queue (its queue-length cache / probe), and on
-            equal queues the first listed: an unmorphed replica before a morphed one (sending the
-            morphed one less lets it restore sooner), then the one with more headroom
-    rank 2: the other replicas that admit, in the same order (used only when rank 1's queues are full)
-    then:   the replicas that cannot admit it now (used only when the queues above are full)
-    none admits it: one rank of all, Serve's shortest queue as its default router would choose (it
-            waits wherever it goes); most headroom, then fewer waiting, first on equal queues. Ranking
-            by headroom here would feed a loop: a replica that morphed has the most headroom, takes
-            the load, and stays morphed.
-    stale or missing stats for any candidate, or a call other than `generate`:
-            Serve's default, power of two choices (the parent class)
+    fits:         nothing waiting there and the request fits in the room it would have at full
+                  precision (headroom less its morph's blocks): no morph, and no restore delayed
+    fits_morphed: it fits only in the blocks the replica's morph added: no new morph, but the replica
+                  stays morphed longer
+    no_fit:       it waits or makes the replica morph (admission morphing reacts at once, so the cost
+                  is mostly quality: quantized layer-seconds)
 
-Why headroom and morph state only filter and break ties: both change only at the next report, so a
-rank built on them sends a run of requests to the same replica between two reports, while Serve's
-queue length changes at every send and completion. And a replica that morphed gains headroom, so
-ranking by it draws load to that replica and keeps it morphed.
+and its cost is its queue length (Serve's queue-length cache: every send and completion updates it)
+plus the class's penalty in queued requests (0, `morphed_penalty`, `no_fit_penalty`; both 0 by
+default, so the class only breaks ties). Replicas are listed one per rank, cheapest first (on equal
+cost: the better class, then more room at full precision), and Serve sends to the first whose queue
+is not full.
 
-Decisions are counted in `morphserve_router_decisions{decision}`, the chosen replica of every
-`generate` call in `morphserve_router_choices{engine_replica}`.
+Why queue length first and KV only as a tie-break: TTFT and TPOT follow how many requests share a
+replica's steps, and admission morphing makes a request that does not fit wait ~0 ms; a KV filter
+that overrides the queue (the first version) piled bursts onto one replica (busiest share 0.53 vs
+0.51, TPOT P50 +17% in the wave-7 fleet benchmark), and penalties of 1 and 2 queued requests still
+cost TPOT P50 +9% against Serve's router (wave 8, 5 repeats) where 0 and 0 cost +3% (3 repeats) for
+the same cut in quantized layer-seconds. Ties are frequent (two replicas often hold equal queues).
+And why room at full precision: a replica that morphed has the most headroom, so ranking by headroom
+draws load to it and keeps it morphed; counted at full precision, a morphed replica drains and
+restores sooner.
+
+    stale or missing stats for any candidate, a replica without a cached queue length, or a call
+    other than `generate`: Serve's default, power of two choices (the parent class)
+
+Decisions are counted in `morphserve_router_decisions{decision}` (the chosen class, or why the
+router fell back), the chosen replica of every `generate` call in `morphserve_router_choices{engine_replica}`.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
-import random
 import time
 from typing import Any, Hashable
 
@@ -55,7 +60,9 @@ ROUTER_IMPORT_PATH = "deployments.router:PressureAwareRouter"
 DECISIONS_METRIC = "morphserve_router_decisions"  # counter, tag `decision`
 CHOICES_METRIC = "morphserve_router_choices"  # counter, tag `engine_replica` (Serve reserves `replica`)
 STATS_KIND = "morphserve-kv"  # marks stats this router understands
-Decision = str  # "admits" | "kv_full" | "stale" | "other_call"
+FitClass = str  # "fits" | "fits_morphed" | "no_fit": how a request fits a replica's KV now
+Decision = str  # a FitClass (of the chosen replica) | "stale" | "no_queue_len" | "other_call"
+FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +73,8 @@ class ReplicaLoad:
     block_size: int  # tokens per KV block
     taken_at: float  # wall clock (time.time) of the step boundary the figures describe
     reservation_tokens: int = 0  # output tokens admission reserves per request (engine/demand.py)
-    num_quantized: int = 0  # layers it holds quantized now (> 0: listed after unmorphed ones, for ties)
+    num_quantized: int = 0  # layers it holds quantized now
+    morph_blocks: int = 0  # KV blocks its morph added (capacity now less at full precision); a restore takes them
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
@@ -83,36 +91,51 @@ class ReplicaLoad:
         try:
             return cls(int(stats["free_blocks"]), int(stats["num_waiting"]), max(1, int(stats["block_size"])),
                        float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)),
-                       int(stats.get("num_quantized", 0)))
+                       int(stats.get("num_quantized", 0)), max(0, int(stats.get("morph_blocks", 0))))
         except (KeyError, TypeError, ValueError):
             return None
 
 
-def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], prompt_tokens: int, sent_blocks: dict[Hashable, int],
-                  now: float, stale_after_s: float, max_tokens: int | None = None) -> tuple[Decision, list[list[Hashable]]]:
-    """Pure: ("admits", [the replicas that admit the request now, in tie-break order], [the others]),
-    ("kv_full", [every replica, most headroom first]) when none admits it, or ("stale", []) when any
-    load is missing or older than `stale_after_s`. `sent_blocks`: blocks this router sent to each replica
-    after its stats were taken. Serve picks the shortest queue within the first rank that accepts."""
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """What each fit class costs, in queued requests, on top of a replica's queue length."""
+    morphed: float = 0.0  # it fits only in the blocks a morph added: it keeps that replica morphed longer
+    no_fit: float = 0.0  # it waits there or makes the replica morph
+
+    def __post_init__(self):
+        if not 0 <= self.morphed <= self.no_fit:
+            raise ValueError(f"router penalties must satisfy 0 <= morphed ({self.morphed}) <= no_fit ({self.no_fit}): "
+                             "a request that needs a morph costs at least as much as one that keeps a morph")
+
+    def of(self, fit: FitClass) -> float:
+        return {"fits": 0.0, "fits_morphed": self.morphed, "no_fit": self.no_fit}[fit]
+
+
+def fit_class(load: ReplicaLoad, headroom: int, need: int) -> FitClass:
+    """How a request of `need` blocks fits a replica with `headroom` blocks (its stats' free blocks
+    less what was sent there since): waiting requests go first (FCFS), so anything waiting is no fit."""
+    if load.num_waiting > 0 or headroom < need:
+        return "no_fit"
+    return "fits" if headroom - load.morph_blocks >= need else "fits_morphed"
+
+
+def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Hashable, int | None],
+                  prompt_tokens: int, sent_blocks: dict[Hashable, int], now: float, stale_after_s: float,
+                  max_tokens: int | None = None, penalties: Penalties = Penalties()) -> tuple[Decision, list[Hashable]]:
+    """Pure: (the chosen replica's fit class, every replica cheapest first), cost = queue length + the
+    class's penalty, ties to the better class, then more room at full precision; ("stale", []) when any
+    load is missing or older than `stale_after_s`, ("no_queue_len", []) when any queue length is unknown.
+    `sent_blocks`: blocks this router sent to each replica after its stats were taken."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
         return "stale", []
+    if any(queue_lens.get(rid) is None for rid in loads):
+        return "no_queue_len", []
     headroom = {rid: load.free_blocks - sent_blocks.get(rid, 0) for rid, load in loads.items()}
-    admits = [rid for rid, load in loads.items()
-              if load.num_waiting == 0 and headroom[rid] >= max(1, load.blocks_for(prompt_tokens, max_tokens))]
-    admits.sort(key=lambda rid: (loads[rid].num_quantized > 0, -headroom[rid]))  # ties only: Serve sorts by queue
-    rest = sorted((rid for rid in loads if rid not in admits), key=lambda rid: (-headroom[rid], loads[rid].num_waiting))
-    if not admits:  # it waits wherever it goes: the shortest queue, as Serve's default (headroom on a tie)
-        return "kv_full", [rest]
-    return "admits", [admits, rest] if rest else [admits]
-
-
-def two_choices(rank: list[Hashable], rng: random.Random) -> list[list[Hashable]]:
-    """Power of two choices within one rank: two members drawn at random (kept in the rank's order)
-    first, the others as the next rank; a rank of two or fewer is left whole."""
-    if len(rank) <= 2:
-        return [rank]
-    drawn = set(rng.sample(range(len(rank)), 2))
-    return [[rid for i, rid in enumerate(rank) if i in drawn], [rid for i, rid in enumerate(rank) if i not in drawn]]
+    fits = {rid: fit_class(load, headroom[rid], max(1, load.blocks_for(prompt_tokens, max_tokens)))
+            for rid, load in loads.items()}
+    order = sorted(loads, key=lambda rid: (queue_lens[rid] + penalties.of(fits[rid]), FIT_CLASSES.index(fits[rid]),
+                                           -(headroom[rid] - loads[rid].morph_blocks)))
+    return fits[order[0]], order
 
 
 class InFlight:
@@ -135,11 +158,13 @@ class InFlight:
 
 
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
-    def initialize_state(self, stale_after_s: float = 2.0, **kwargs: Any) -> None:
+    def initialize_state(self, stale_after_s: float = 2.0, morphed_penalty: float = 0.0, no_fit_penalty: float = 0.0,
+                         **kwargs: Any) -> None:
+        """Keyword arguments come from the deployment's `request_router_config.request_router_kwargs`."""
         super().initialize_state(**kwargs)
         self.stale_after_s = stale_after_s
+        self.penalties = Penalties(morphed=morphed_penalty, no_fit=no_fit_penalty)
         self._in_flight = InFlight(keep_s=2 * stale_after_s)
-        self._rng = random.Random()
         self._decisions = self._choices = None  # the counters, made on first use inside the ingress replica
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
@@ -149,15 +174,15 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
             return await super().choose_replicas(candidate_replicas, pending_request)
         now = time.time()
         loads = {r.replica_id: ReplicaLoad.from_stats(r.routing_stats) for r in candidate_replicas}
+        queue_lens = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas}
         sent = {rid: self._in_flight.since(rid, load.taken_at) for rid, load in loads.items() if load is not None}
-        decision, ranks = rank_replicas(loads, len(request.prompt_token_ids), sent, now, self.stale_after_s,
-                                        request.max_tokens)
+        decision, order = rank_replicas(loads, queue_lens, len(request.prompt_token_ids), sent, now,
+                                        self.stale_after_s, request.max_tokens, self.penalties)
         self._count(decision)
-        if decision == "stale":
+        if not order:  # stale stats or an unknown queue length: Serve's default (its probes refill the cache)
             return await super().choose_replicas(candidate_replicas, pending_request)
-        ranks = two_choices(ranks[0], self._rng) + ranks[1:]
         by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[rid] for rid in rank] for rank in ranks]
+        return [[by_id[rid]] for rid in order]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         request = _generate_request(pending_request)

@@ -110,6 +110,12 @@ class AsyncLLMEngine:
     def model_name(self) -> str:
         return self.engine.model_name
 
+    @property
+    def base_kv_blocks(self) -> int:
+        """KV blocks committed at start, with every layer at its starting precision: what the cache
+        shrinks back to once every layer a restore may give back is restored."""
+        return self.engine.memory_plan.capacity
+
     def pressure(self) -> PressureSnapshot:
         """The snapshot taken after the latest step or command."""
         return self._pressure

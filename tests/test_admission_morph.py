@@ -185,6 +185,21 @@ def test_restore_waits_for_its_quiet_period_and_keeps_the_floor(tiny_model_dir, 
     assert fast.morph_state().num_quantized == 2  # the floor (forced layers or a pin) stays
 
 
+def test_a_grant_may_shorten_the_restore_quiet_period(tiny_model_dir, tmp_path):
+    """The fleet's shorter quiet period (AdmissionGrant.restore_quiet_s) replaces the engine's own:
+    the same drained engine restores at once under it, and not under the engine's hour."""
+    engine = tiny(tiny_model_dir, tmp_path, 70, restore_quiet_s=3600.0)
+    engine.set_admission_grant(AdmissionGrant(max_quantized=4, min_quantized=0, precision=I4))
+    burst(engine, 5)
+    drain(engine)
+    enact(engine, AdmissionGrant(4, 0, I4), None, engine.admission.moves_total())
+    assert engine.morph_state().num_quantized == 3  # the engine's quiet period holds
+    enact(engine, AdmissionGrant(4, 0, I4, restore_quiet_s=0.0), None, engine.admission.moves_total())
+    assert engine.morph_state().num_quantized == 0 and engine.pool.capacity == 70
+    with pytest.raises(ValueError, match="quiet"):
+        engine.set_admission_grant(AdmissionGrant(4, 0, I4, restore_quiet_s=-1.0))
+
+
 def test_the_replica_loop_hands_each_directive_grant_to_the_engine(tiny_model_dir, tmp_path):
     """A real AsyncLLMEngine and MorphLoop with a controller handle that grants `allowed` layers:
     admission morphs stay within the grant, and a raised grant lets the next burst go further."""

@@ -128,10 +128,10 @@ def test_max_quantized_is_derived_from_the_same_grant_the_fleet_allows():
     assert d.max_quantized == 6 and d.grant <= 4
 
 
-def test_admission_headroom_is_one_policy_step_for_quiet_replicas_and_the_rest_stays_unreserved():
-    """Quiet replicas are not held at 0: each may morph at admission one policy step beyond its target
-    (the local policy's fast path), the parts never add up to more than the budget, and what nobody's
-    demand asks for is reserved to nobody."""
+def test_quiet_replicas_share_the_unused_budget_as_onset_headroom():
+    """Quiet replicas are not held at 0: each may morph at admission one policy step beyond its target,
+    and what no report's demand asks for is split among them (a burst's first requests morph at once,
+    not a report later); the parts never add up to more than the budget."""
     fleet = FleetController(FleetConfig(fleet_max_quantized_layers=5), clock=FakeClock())
     a, b = FakeReplica("a", 0.1, 0.0), FakeReplica("b", 0.1, 0.0)
     last = {}
@@ -140,8 +140,8 @@ def test_admission_headroom_is_one_policy_step_for_quiet_replicas_and_the_rest_s
             last[r.replica_id] = fleet.report(r.replica_id, r.snapshot(), r.state)
             assert sum(d.max_quantized for d in last.values()) <= 5
     assert {d.target_quantized for d in last.values()} == {0}  # nobody is told to morph ...
-    assert sorted(d.max_quantized for d in last.values()) == [2, 2]  # ... but both may, one step, at admission
-    assert fleet.status()["totals"]["granted_layers"] == 4  # one layer is left for whoever needs it
+    assert sorted(d.max_quantized for d in last.values()) == [2, 3]  # ... but both may, at admission
+    assert fleet.status()["totals"]["granted_layers"] == 5
     # The pressure moves to b: its part grows, and a's shrinks before b's grows past the rest.
     b.kv_usage, b.queue_delay = 0.99, 0.5
     for _ in range(6):
@@ -189,10 +189,10 @@ class BurstReplica(FakeReplica):
 
 
 @pytest.mark.parametrize("budget", [4, 12])  # scarcer than the pressed replica wants; two mode caps
-def test_a_burst_on_one_replica_gets_the_headroom_first_and_never_more_than_its_admission_sizing(budget):
-    """The pressed replica's grant covers its reported deficit (plus one step), ahead of the quiet one;
-    no grant is more than a local replica's admission would take for the same queue (the quiet one's:
-    one step); the layers held never exceed the budget."""
+def test_a_burst_on_one_replica_gets_the_headroom_first_and_admission_takes_only_what_it_needs(budget):
+    """The pressed replica's grant covers its reported deficit (plus one step) ahead of the quiet one;
+    no grant passes the mode cap and the grants never pass the budget; the engine's admission sizing
+    takes only the layers its queue needs, whatever the grant allows."""
     policy = PolicyConfig()  # balanced: cap 6 of 10 layers, 2 per step
     step, cap = policy.active.layers_per_action, policy.active.cap_layers(NUM_LAYERS)
     fleet = FleetController(FleetConfig(policy=policy, fleet_max_quantized_layers=budget), clock=FakeClock())
@@ -202,35 +202,32 @@ def test_a_burst_on_one_replica_gets_the_headroom_first_and_never_more_than_its_
     hot.queue = 7  # 70 blocks against 50 available: 2 layers' worth
     for _ in range(8):
         for r in (hot, quiet):
-            held = r.state.num_quantized
-            need = -(-max(0, r.deficit()) // GAIN)
             d = fleet.report(r.replica_id, r.snapshot(), r.state)
-            assert d.max_quantized <= max(d.target_quantized, held) + need + step  # its own sizing + one step
-            if r is quiet:
-                assert d.max_quantized <= step
+            assert d.max_quantized <= cap
             r.admit(d)
             assert hot.state.num_quantized + quiet.state.num_quantized <= budget
+            status = fleet.status()["replicas"]
+            assert sum(v["grant"] for v in status.values()) <= budget
         hot.queue = max(0, hot.queue - 1)  # admitted requests leave the queue over the next reports
     assert quiet.state.num_quantized == 0
     assert hot.state.num_quantized == 2  # what its queue needed, no more
-    status = fleet.status()["replicas"]
-    assert status["hot"]["grant"] + status["quiet"]["grant"] <= budget
-    # The first grant the pressed replica saw after its burst: what its queue needed, before the quiet one.
+    # A burst on the replica that reported second: the quiet one holds its onset share until it reports
+    # again; from then on the pressed one's deficit comes first.
     hot2, quiet2 = BurstReplica("hot2"), BurstReplica("quiet2")
     fleet2 = FleetController(FleetConfig(policy=policy, fleet_max_quantized_layers=budget), clock=FakeClock())
     for r in (quiet2, hot2):
         fleet2.report(r.replica_id, r.snapshot(), r.state)
     hot2.queue = 9  # 4 layers' worth
-    d = fleet2.report("hot2", hot2.snapshot(), hot2.state)
-    assert d.max_quantized == min(cap, 4 + step, budget - step)  # the quiet one still holds its step until it reports
-    wanted = min(cap, 4 + step)  # the pressed one's share comes first; the quiet one gets a step of what is left
-    assert fleet2.report("quiet2", quiet2.snapshot(), quiet2.state).max_quantized == max(0, min(step, budget - wanted))
-    assert fleet2.report("hot2", hot2.snapshot(), hot2.state).max_quantized == min(cap, 4 + step, budget)
+    first = fleet2.report("hot2", hot2.snapshot(), hot2.state).max_quantized
+    assert first <= budget - fleet2.status()["replicas"]["quiet2"]["grant"]
+    wanted = min(cap, 4 + step, budget)
+    assert fleet2.report("quiet2", quiet2.snapshot(), quiet2.state).max_quantized == min(cap, budget - wanted)
+    assert fleet2.report("hot2", hot2.snapshot(), hot2.state).max_quantized == wanted
 
 
-def test_the_old_even_split_no_longer_holds_back_a_burst():
-    """A quiet replica is reserved one policy step, not half of the budget: the pressed one's admission
-    can take what its queue needs (up to its mode cap) at its next report, not after the quiet one's."""
+def test_a_pressed_replicas_deficit_comes_before_the_quiet_ones_onset_share():
+    """The split of the unused budget comes last: at its next report the pressed replica's admission may
+    take what its queue needs (up to its mode cap); the quiet one keeps one policy step of what is left."""
     policy = PolicyConfig()  # balanced: cap 6 of 10 layers, 2 per step
     fleet = FleetController(FleetConfig(policy=policy, fleet_max_quantized_layers=8), clock=FakeClock())
     hot, quiet = BurstReplica("hot"), BurstReplica("quiet")
@@ -238,25 +235,25 @@ def test_the_old_even_split_no_longer_holds_back_a_burst():
         fleet.report(r.replica_id, r.snapshot(), r.state)
     hot.queue = 9  # 90 blocks against 50 available: 4 layers
     d = fleet.report("hot", hot.snapshot(), hot.state)
-    assert d.max_quantized == 6  # 4 for the deficit + one step, capped by the mode's 6 (was 4: an even split)
+    assert d.max_quantized == 6  # 4 for the deficit + one step, capped by the mode's 6
     hot.admit(d)
     assert hot.state.num_quantized == 4  # admission sizing takes only what the queue needs
     assert fleet.report("quiet", quiet.snapshot(), quiet.state).max_quantized == 2
 
 
-def test_headroom_follows_the_demand_down():
-    """Once the queue is gone the headroom shrinks back to one policy step above what the replica holds."""
+def test_a_lone_replica_may_use_the_budget_up_to_its_cap_and_takes_what_its_queue_needs():
+    """With no peer, the whole budget (up to the mode cap) is its onset headroom; its admission still
+    swaps only what the queue lacks."""
     fleet = FleetController(FleetConfig(fleet_max_quantized_layers=10), clock=FakeClock())
     r = BurstReplica("r", queue=9)
-    assert fleet.report("r", r.snapshot(), r.state).max_quantized == 6  # 4 for its deficit + a step
-    r.queue = 0  # served without morphing (requests finished)
-    assert fleet.report("r", r.snapshot(), r.state).max_quantized == 2
-    r.queue = 7
     d = fleet.report("r", r.snapshot(), r.state)
+    assert d.max_quantized == 6  # the balanced cap, below the budget
     r.admit(d)
-    assert (d.max_quantized, r.state.num_quantized) == (4, 2)
+    assert r.state.num_quantized == 4  # 4 layers free its 40-block deficit
     r.queue = 0
-    assert fleet.report("r", r.snapshot(), r.state).max_quantized == 4  # what it holds + a step
+    assert fleet.report("r", r.snapshot(), r.state).max_quantized == 6
+    small = FleetController(FleetConfig(fleet_max_quantized_layers=3), clock=FakeClock())
+    assert small.report("r", BurstReplica("r").snapshot(), BurstReplica("r").state).max_quantized == 3
 
 
 def test_a_forgotten_replica_gives_its_grant_back():

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from deployments.router import FIT_CLASSES
 from tests.test_serve_morph import Traffic
 
 BUDGET = 4
@@ -121,15 +122,22 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
     assert max(held(v) for v in views) == BUDGET  # never above it, at any sample
     assert all((v["totals"]["granted_layers"] or 0) <= BUDGET for v in views)
     assert all(len(v["replicas"]) == 2 for v in views), sorted({len(v["replicas"]) for v in views})
+    # Quiet again: each replica's peer is relaxed, so its directive shortens the restore quiet period to
+    # fleet_restore_quiet_s, and every layer comes back.
+    status = lambda: controller_status(ray, FLEET_CONTROLLER)  # noqa: E731
+    wait(lambda: (lambda v: v if held(v) == 0 and all((r["directive"] or {}).get("restore_quiet_s") == 0.5
+                                                    for r in v["replicas"].values()) else None)(status()),
+         120, "every layer restored under the fleet's shorter quiet period", status)
     # The router's decisions and the fleet gauges reach Ray's metrics export.
     agent = f"http://127.0.0.1:{metrics_export_port(ray)}/metrics"
-    exported = until(lambda: (lambda text: text if _sum(text, DECISIONS, 'decision="admits"') > 0
+    by_kv = lambda text: sum(_sum(text, DECISIONS, f'decision="{fit}"') for fit in FIT_CLASSES)  # noqa: E731
+    exported = until(lambda: (lambda text: text if by_kv(text) > 0
                               and _sum(text, "ray_morphserve_fleet_budget_layers", "") == BUDGET else None)(
         str(http("GET", agent)[1])), 120, "router decisions and fleet gauges in the exported metrics", every_s=1.0)
-    # The router routed by KV for most requests: its stats were fresh, it did not fall back to Serve's default.
-    by_kv = _sum(exported, DECISIONS, 'decision="admits"') + _sum(exported, DECISIONS, 'decision="kv_full"')
-    assert by_kv > _sum(exported, DECISIONS, 'decision="stale"'), [
-        line for line in exported.splitlines() if line.startswith(DECISIONS)]
+    # The router routed by KV and queue length for most requests: its stats were fresh and it knew the
+    # queues; it did not fall back to Serve's default.
+    fallbacks = _sum(exported, DECISIONS, 'decision="stale"') + _sum(exported, DECISIONS, 'decision="no_queue_len"')
+    assert by_kv(exported) > fallbacks, [line for line in exported.splitlines() if line.startswith(DECISIONS)]
 
 
 DECISIONS = "ray_morphserve_router_decisions_total"

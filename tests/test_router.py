@@ -2,124 +2,117 @@
 2-replica fleet test (tests/test_fleet_serve.py)."""
 from __future__ import annotations
 
-import random
+import pytest
 
-from deployments.router import InFlight, ReplicaLoad, rank_replicas, two_choices
+from deployments.router import InFlight, Penalties, ReplicaLoad, fit_class, rank_replicas
 
 NOW = 1000.0
 
 
-def load(free: int, waiting: int = 0, age: float = 0.1, quantized: int = 0) -> ReplicaLoad:
+def load(free: int, waiting: int = 0, age: float = 0.1, quantized: int = 0, morph_blocks: int = 0) -> ReplicaLoad:
     return ReplicaLoad(free_blocks=free, num_waiting=waiting, block_size=16, taken_at=NOW - age,
-                       num_quantized=quantized)
+                       num_quantized=quantized, morph_blocks=morph_blocks)
 
 
-def test_requests_go_to_the_replicas_whose_kv_admits_them_now():
-    decision, ranks = rank_replicas({"full": load(1), "roomy": load(40), "queued": load(60, waiting=2)},
-                                    prompt_tokens=100, sent_blocks={}, now=NOW, stale_after_s=2.0)
-    # 100 tokens need 7 blocks: only "roomy" admits; "queued" has room but requests wait ahead (FCFS).
-    assert decision == "admits" and ranks == [["roomy"], ["queued", "full"]]
+PENALIZED = Penalties(morphed=1, no_fit=2)  # an operator's router_*_penalty settings (the defaults are 0)
 
 
-def test_all_that_admit_share_the_first_rank_for_serve_to_choose_by_queue_length():
-    # 64 tokens need 4 blocks: 20 and 5 free blocks both admit it; how much room is left does not
-    # rank them (it changes only at the next report): Serve's queue length does.
-    decision, ranks = rank_replicas({"a": load(20), "b": load(5), "c": load(2)}, prompt_tokens=64,
-                                    sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "admits" and ranks == [["a", "b"], ["c"]]  # "c" only if both queues are full
+def rank(loads, queues, prompt_tokens=64, sent=None, **kw):
+    return rank_replicas(loads, queues, prompt_tokens, sent or {}, NOW, 2.0, **kw)
 
 
-def test_an_unmorphed_replica_is_preferred_only_as_the_tie_break_order():
-    # "morphed" has the most room (its quantized layers freed KV) but is listed after the unmorphed
-    # ones that admit, so on equal queues Serve sends it less and it can restore; it is still in rank 1.
-    loads = {"morphed": load(60, quantized=6), "tight": load(7), "roomy": load(12), "full": load(1)}
-    decision, ranks = rank_replicas(loads, prompt_tokens=64, sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "admits" and ranks == [["roomy", "tight", "morphed"], ["full"]]
-    assert serve_picks(ranks, {"roomy": 3, "tight": 3, "morphed": 1, "full": 0}) == "morphed"  # queue first
+def test_the_shorter_queue_wins_when_both_fit():
+    # 64 tokens need 4 blocks: both admit it; how much room is left does not outweigh a queued request.
+    assert rank({"a": load(40), "b": load(5)}, {"a": 3, "b": 2}) == ("fits", ["b", "a"])
+
+
+def test_on_equal_queues_the_replica_where_it_fits_at_full_precision_wins():
+    # "morphed" has the most room, but all of it from its morph: sending there keeps it morphed.
+    loads = {"morphed": load(60, quantized=6, morph_blocks=58), "tight": load(5), "full": load(2)}
+    decision, order = rank(loads, {"morphed": 1, "tight": 1, "full": 1})
+    assert decision == "fits" and order == ["tight", "morphed", "full"]
+    assert fit_class(loads["morphed"], 60, 4) == "fits_morphed" and fit_class(loads["full"], 2, 4) == "no_fit"
+
+
+def test_by_default_the_fit_only_breaks_ties_between_equal_queues():
+    loads = {"fits": load(20), "no_fit": load(2)}
+    assert rank(loads, {"fits": 1, "no_fit": 1}) == ("fits", ["fits", "no_fit"])
+    assert rank(loads, {"fits": 2, "no_fit": 1}) == ("no_fit", ["no_fit", "fits"])
+
+
+def test_a_penalty_is_worth_that_many_queued_requests():
+    loads = {"fits": load(20), "no_fit": load(2)}
+    # no_fit costs 2 queued requests: a fitting replica with up to 2 more in its queue still wins (ties
+    # go to the better class), with 3 more it does not.
+    assert rank(loads, {"fits": 2, "no_fit": 0}, penalties=PENALIZED)[1] == ["fits", "no_fit"]
+    assert rank(loads, {"fits": 3, "no_fit": 0}, penalties=PENALIZED) == ("no_fit", ["no_fit", "fits"])
+    assert rank(loads, {"fits": 3, "no_fit": 0}, penalties=Penalties(morphed=1, no_fit=4))[1] == ["fits", "no_fit"]
+    with pytest.raises(ValueError, match="morphed"):
+        Penalties(morphed=3, no_fit=2)
+
+
+def test_requests_waiting_there_make_it_no_fit_whatever_its_room():
+    decision, order = rank({"queued": load(60, waiting=2), "roomy": load(20)}, {"queued": 0, "roomy": 1},
+                           penalties=PENALIZED)
+    assert decision == "fits" and order == ["roomy", "queued"]
 
 
 def test_blocks_already_sent_since_the_stats_count_against_a_replica():
-    decision, ranks = rank_replicas({"a": load(20), "b": load(10)}, prompt_tokens=64, sent_blocks={"a": 18},
-                                    now=NOW, stale_after_s=2.0)
-    assert decision == "admits" and ranks == [["b"], ["a"]]
-    # A fresh report (taken after those sends) includes them: nothing is subtracted any more.
-    assert rank_replicas({"a": load(20), "b": load(10)}, 64, {}, NOW, 2.0) == ("admits", [["a", "b"]])
+    assert rank({"a": load(20), "b": load(10)}, {"a": 0, "b": 0}, sent={"a": 18}) == ("fits", ["b", "a"])
+    # A fresh report (taken after those sends) includes them: nothing is subtracted any more; on equal
+    # cost and class the one with more room at full precision comes first.
+    assert rank({"a": load(20), "b": load(10)}, {"a": 0, "b": 0}) == ("fits", ["a", "b"])
 
 
-def test_when_none_admits_the_shortest_queue_decides_and_headroom_only_breaks_ties():
-    # A morphed replica has the most headroom; ranking by it would draw the load there and keep it morphed.
-    decision, ranks = rank_replicas({"a": load(3, waiting=1), "b": load(5, waiting=4, quantized=8)}, prompt_tokens=200,
-                                    sent_blocks={}, now=NOW, stale_after_s=2.0)
-    assert decision == "kv_full" and ranks == [["b", "a"]]
-    assert serve_picks(ranks, {"a": 2, "b": 6}) == "a" and serve_picks(ranks, {"a": 3, "b": 3}) == "b"
-
-
-def test_stale_or_missing_stats_fall_back_to_serves_default():
-    assert rank_replicas({"a": load(20), "b": load(20, age=5.0)}, 10, {}, NOW, 2.0) == ("stale", [])
-    assert rank_replicas({"a": load(20), "b": None}, 10, {}, NOW, 2.0) == ("stale", [])
-    assert rank_replicas({}, 10, {}, NOW, 2.0) == ("stale", [])
+def test_stale_or_missing_stats_or_queue_lengths_fall_back_to_serves_default():
+    queues = {"a": 0, "b": 0}
+    assert rank({"a": load(20), "b": load(20, age=5.0)}, queues) == ("stale", [])
+    assert rank({"a": load(20), "b": None}, queues) == ("stale", [])
+    assert rank({}, {}) == ("stale", [])
+    assert rank({"a": load(20), "b": load(20)}, {"a": 0, "b": None}) == ("no_queue_len", [])
 
 
 def test_stats_round_trip_and_foreign_stats_are_ignored():
-    original = load(12, waiting=3, quantized=4)
+    original = load(12, waiting=3, quantized=4, morph_blocks=9)
     assert ReplicaLoad.from_stats(original.to_stats()) == original
     assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
     assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None
+    older = {k: v for k, v in original.to_stats().items() if k != "morph_blocks"}  # a replica before the field
+    assert ReplicaLoad.from_stats(older).morph_blocks == 0
 
 
 def test_a_request_needs_its_prompt_and_the_output_reservation_capped_by_max_tokens():
     roomy = ReplicaLoad(free_blocks=8, num_waiting=0, block_size=16, taken_at=NOW, reservation_tokens=64)
     assert roomy.blocks_for(100) == 11 and roomy.blocks_for(100, max_tokens=12) == 7
     # 100 prompt tokens + 64 reserved = 11 blocks do not fit 8; with max_tokens 12 (7 blocks) they do.
-    assert rank_replicas({"r": roomy}, 100, {}, NOW, 2.0)[0] == "kv_full"
-    assert rank_replicas({"r": roomy}, 100, {}, NOW, 2.0, max_tokens=12) == ("admits", [["r"]])
-    assert ReplicaLoad.from_stats(roomy.to_stats()) == roomy
+    assert rank({"r": roomy}, {"r": 0}, prompt_tokens=100)[0] == "no_fit"
+    assert rank({"r": roomy}, {"r": 0}, prompt_tokens=100, max_tokens=12) == ("fits", ["r"])
 
 
-def serve_picks(ranks: list[list[str]], queue: dict[str, int]) -> str:
-    """What Serve does with the ranks (request_router.py): the first rank's shortest queue, the first
-    listed on a tie (a fake of the layer above, for these unit tests)."""
-    return min(ranks[0], key=lambda rid: queue[rid])
+def route_burst(loads: dict[str, ReplicaLoad], n: int, blocks: int = 4, penalties: Penalties = Penalties()) -> dict[str, int]:
+    """`n` requests between two reports, each sent to the first in the order (Serve's queues are never
+    full here), with the queue-length cache and the in-flight blocks updated per send, as Serve and the
+    router do: the counts sent to each replica."""
+    in_flight, queue = InFlight(keep_s=4.0), {rid: 0 for rid in loads}
+    for i in range(n):
+        sent = {rid: in_flight.since(rid, l.taken_at) for rid, l in loads.items()}
+        _, order = rank_replicas(loads, queue, blocks * 16, sent, NOW + 0.01 * i, 2.0, penalties=penalties)
+        queue[order[0]] += 1
+        in_flight.record(order[0], NOW + 0.01 * i, blocks)
+    return queue
 
 
 def test_a_burst_between_two_reports_spreads_evenly_over_two_equal_replicas():
-    loads = {"a": load(40), "b": load(40)}
-    in_flight, queue, sent_to = InFlight(keep_s=4.0), {"a": 0, "b": 0}, {"a": 0, "b": 0}
-    for i in range(8):  # 8 requests of 4 blocks, all before the next stats
-        sent = {rid: in_flight.since(rid, l.taken_at) for rid, l in loads.items()}
-        decision, ranks = rank_replicas(loads, 64, sent, NOW + 0.01 * i, 2.0)
-        assert decision == "admits"
-        chosen = serve_picks(ranks, queue)
-        queue[chosen] += 1
-        sent_to[chosen] += 1
-        in_flight.record(chosen, NOW + 0.01 * i, 4)
-    assert sent_to == {"a": 4, "b": 4}
+    assert route_burst({"a": load(40), "b": load(40)}, 8) == {"a": 4, "b": 4}
 
 
-def test_a_replica_that_cannot_admit_gets_nothing_while_another_can_even_with_a_longer_queue():
-    loads = {"busy": load(40), "full": load(3)}
-    decision, ranks = rank_replicas(loads, 64, {}, NOW, 2.0)
-    assert decision == "admits" and serve_picks(ranks, {"busy": 6, "full": 0}) == "busy"
-    # ... and once what was sent there used up its room, neither admits: the queue decides.
-    decision, ranks = rank_replicas(loads, 64, {"busy": 40}, NOW, 2.0)
-    assert decision == "kv_full" and ranks == [["full", "busy"]]
-
-
-def test_in_flight_blocks_count_until_a_report_taken_after_them_and_are_kept_only_so_long():
-    in_flight = InFlight(keep_s=4.0)
-    in_flight.record("a", NOW, 4)
-    in_flight.record("a", NOW + 1.0, 6)
-    assert in_flight.since("a", NOW - 0.5) == 10  # stats older than both sends: both count
-    assert in_flight.since("a", NOW + 0.5) == 6  # a fresh report includes the first
-    assert in_flight.since("a", NOW + 2.0) == 0 and in_flight.since("b", 0.0) == 0
-    in_flight.record("a", NOW + 10.0, 1)  # the first two are dropped: no stats that old are used
-    assert in_flight.since("a", 0.0) == 1
-
-
-def test_power_of_two_choices_among_more_replicas_that_admit():
-    rank = ["r0", "r1", "r2", "r3", "r4"]
-    for seed in range(20):
-        first, rest = two_choices(rank, random.Random(seed))
-        assert len(first) == 2 and sorted(first + rest) == rank
-        assert first == sorted(first, key=rank.index)  # the tie-break order is kept
-    assert two_choices(["a", "b"], random.Random(0)) == [["a", "b"]]
+def test_a_burst_leans_away_from_a_morphed_replica_only_as_far_as_the_penalties_allow():
+    # "fresh" has room for 3 requests at full precision, "morphed" room only in its morph's blocks.
+    loads = {"fresh": load(12), "morphed": load(40, quantized=8, morph_blocks=40)}
+    # By default the queues stay even; "fresh" takes every tie while it has room.
+    assert route_burst(loads, 4) == {"fresh": 2, "morphed": 2} and route_burst(loads, 10) == {"fresh": 5, "morphed": 5}
+    # With penalties, 3 of the first 4 go to "fresh"; once it is full it would have to morph too, and
+    # the rest go mostly to "morphed", its queue never more than the no_fit penalty longer.
+    assert route_burst(loads, 4, penalties=PENALIZED) == {"fresh": 3, "morphed": 1}
+    sent = route_burst(loads, 10, penalties=PENALIZED)
+    assert sent["morphed"] > sent["fresh"] >= 3 and sent["morphed"] - sent["fresh"] <= 2

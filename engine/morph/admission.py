@@ -13,7 +13,8 @@
   (mode cap and fleet share, never below what the budget forces) and the floor a restore keeps.
   Without a grant nothing morphs here (the engine has not heard from a policy yet).
 - Restore: nothing waits and the demand (used + owed) stays below `restore_max_usage` of the smaller
-  cache for `restore_quiet_s` in a row; then the most layers that keep it so, in reverse swap order.
+  cache for `restore_quiet_s` in a row (the grant may shorten it: the fleet does while the other
+  replicas are relaxed); then the most layers that keep it so, in reverse swap order.
   The resizer migrates live blocks and never preempts; the usage bound (at or below the policy's relax
   usage, so the sampled path does not see pressure right after) and the quiet period are the hysteresis.
 - Every decision is logged (`AdmissionEvent`) and counted; the replica reports the counters with its
@@ -51,6 +52,9 @@ class AdmissionGrant:
     min_quantized: int  # a demand restore stops here (the layers the budget forces, or an operator pin)
     precision: Precision  # the rung admission swaps go to
     reservation_factor: float = 1.0  # output reservation multiplier (SLO feedback)
+    # The quiet period a demand restore needs under this grant (None: the engine's restore_quiet_s). The
+    # fleet shortens it while the other replicas are relaxed: they take what this one gives back.
+    restore_quiet_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +127,10 @@ class AdmissionMorpher:
         return self.swaps_total + self.restores_total
 
     def set_grant(self, grant: AdmissionGrant | None) -> None:
-        if grant is not None and (grant.min_quantized < 0 or grant.max_quantized < 0 or grant.reservation_factor <= 0):
-            raise ValueError(f"a grant needs non-negative layer counts and a positive reservation factor, got {grant}")
+        if grant is not None and (grant.min_quantized < 0 or grant.max_quantized < 0 or grant.reservation_factor <= 0
+                                  or (grant.restore_quiet_s is not None and grant.restore_quiet_s < 0)):
+            raise ValueError(f"a grant needs non-negative layer counts and quiet period and a positive reservation "
+                             f"factor, got {grant}")
         self.grant = grant
 
     def demand(self) -> Demand:
@@ -204,7 +210,8 @@ class AdmissionMorpher:
             return None
         if self._quiet_since is None:
             self._quiet_since = now
-        if now - self._quiet_since < self.settings.restore_quiet_s:
+        quiet = self.settings.restore_quiet_s if grant.restore_quiet_s is None else grant.restore_quiet_s
+        if now - self._quiet_since < quiet:
             return None
         before = ex.capacity_blocks()
         result = ex.replace_target_now(SetQuantizedTarget(current - k, grant.precision, max_layers_per_step=k))

@@ -60,6 +60,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--mean-load", type=float, default=None, help="the replay's mean arrival rate as a fraction of "
                     "the measured capacity (default 0.5; raised when the bursts would not exceed capacity)")
     ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
+    ap.add_argument("--kv-sequences", type=float, default=None, help="each replica's full-precision KV, in "
+                    "max_model_len sequences (default 2): less makes the replay more memory-bound")
+    ap.add_argument("--slo-ttft-s", type=float, default=None, help="the TTFT SLO in seconds, the same for every "
+                    "system (default 2, the paper's)")
     return ap.parse_args(argv)
 
 
@@ -67,7 +71,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     base = BenchConfig.quick() if args.quick else BenchConfig()
     changes = {k: v for k, v in (("repeats", args.repeats), ("window_s", args.window_s),
                                  ("capacity_rps", args.capacity_rps),
-                                 ("fleet_budget_replicas", args.fleet_budget_replicas)) if v is not None}
+                                 ("fleet_budget_replicas", args.fleet_budget_replicas),
+                                 ("kv_sequences", args.kv_sequences), ("slo_ttft_s", args.slo_ttft_s)) if v is not None}
     if args.systems:
         changes["systems"] = tuple(args.systems)
     elif args.fleet:

@@ -6,6 +6,7 @@ ending "everything in our session" ends exactly what this benchmark started and 
 """
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -85,8 +86,10 @@ class ServerProcess:
                 status, _ = http_get(url, timeout_s=5.0)
                 if status == 200:
                     return time.monotonic() - start
-            except (OSError, ValueError):
-                pass  # not listening yet
+            except (OSError, ValueError, http.client.HTTPException):
+                # not listening yet, or something else answers on the port (seen once: a non-HTTP reply,
+                # BadStatusLine, while Ray was starting); the deadline and the caller's retry bound it
+                pass
             if time.monotonic() - start > deadline_s:
                 raise ServerStartError(f"{url} not ready after {deadline_s:g} s; see {self.log_path}")
             time.sleep(poll_s)

@@ -43,9 +43,10 @@ def fleet_control_row() -> Row:
                   "forgotten since the controller started (silent for replica_timeout_s)"))),
         Panel("Router decisions", (Query(rate(
             "ray_morphserve_router_decisions_total", "decision", sel=APP_SEL), "{{decision}}"),),
-            description="admits: some replica's free KV admits the request now (shortest queue among them); "
-            "kv_full: none does (most free blocks first); stale: routing stats too old, Serve's default "
-            "router; other_call: not a generation.", unit="ops", stacked=True, width=16),
+            description="The chosen replica's class: fits (at its full-precision room), fits_morphed (only in "
+            "the blocks its morph added), no_fit (it waits or morphs there); replicas are ranked by queue "
+            "length plus a penalty per class. stale: routing stats too old; no_queue_len: a queue length "
+            "unknown (both Serve's default router); other_call: not a generation.", unit="ops", stacked=True, width=16),
         Panel("Router choices per replica", (Query(rate(
             "ray_morphserve_router_choices_total", "engine_replica", sel=APP_SEL), "{{engine_replica}}"),),
             description="Generate calls the pressure-aware router sent to each engine replica: even lines "
