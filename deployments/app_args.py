@@ -99,10 +99,9 @@ class AppArgs(BaseModel):
         if self.router_stale_after_s <= self.router_stats_period_s:
             raise ValueError(f"router_stale_after_s ({self.router_stale_after_s}) must exceed router_stats_period_s "
                              f"({self.router_stats_period_s}), or the router would always fall back")
-        if self.router_morphed_penalty > self.router_no_fit_penalty:
-            raise ValueError(f"router_morphed_penalty ({self.router_morphed_penalty}) must not exceed router_no_fit_penalty "
-                             f"({self.router_no_fit_penalty}): a request that needs a morph costs at least as much as one "
-                             "that keeps a morph")
+        from deployments.router import Penalties
+
+        Penalties(morphed=self.router_morphed_penalty, no_fit=self.router_no_fit_penalty)  # its own checks, up front
         if "mode" in self.policy:
             raise ValueError("set the mode with the top-level 'mode' arg, not inside 'policy'")
         if self.autoscaling_config is not None:

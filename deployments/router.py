@@ -104,7 +104,8 @@ class Penalties:
 
     def __post_init__(self):
         if not 0 <= self.morphed <= self.no_fit:
-            raise ValueError(f"router penalties must satisfy 0 <= morphed ({self.morphed}) <= no_fit ({self.no_fit}): "
+            raise ValueError(f"router penalties must satisfy 0 <= morphed (router_morphed_penalty, {self.morphed}) <= "
+                             f"no_fit (router_no_fit_penalty, {self.no_fit}): "
                              "a request that needs a morph costs at least as much as one that keeps a morph")
 
     def of(self, fit: FitClass) -> float:
