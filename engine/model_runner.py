@@ -46,13 +46,16 @@ class ModelRunner:
     """`storage` offers `layer(l) -> (k, v)`, each [max_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, model: Transformer, storage, device: torch.device | str,
-                 attention: Literal["auto", "in_place", "gather"] = "auto"):
+                 attention: Literal["auto", "in_place", "gather"] = "auto",
+                 linears: Literal["auto", "plain"] = "auto"):
         """attention: "auto" reads the paged cache in place where the kernel serves this model (CPU,
-        fp32/bf16, built), else gathers; "gather" forces the torch route (benchmarks compare both)."""
+        fp32/bf16, built), else gathers; "gather" forces the torch route (benchmarks compare both).
+        linears: "auto" pre-packs the full-precision linears where it pays (engine/layers/packed.py);
+        "plain" keeps DenseLinear and F.linear (benchmarks and the fused-dense tests)."""
         self.model, self.storage, self.device = model, storage, torch.device(device)
         self.num_layers = model.config.num_layers
         self.capability = detect_capability(self.device)
-        if packing_available(model.dtype, self.device):
+        if linears == "auto" and packing_available(model.dtype, self.device):
             model.pack_linears()  # same bytes, so the ledger is unchanged
         supported = in_place_supported(model.dtype, self.device)
         if attention == "in_place" and not supported:

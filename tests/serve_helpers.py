@@ -12,6 +12,26 @@ from ops.local_ray import http, init_local_ray  # noqa: F401  (http: re-exported
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def auto_precision() -> str:
+    """The full precision the app's default dtype=auto serves on this machine: bf16 on a CPU with
+    native bf16, fp32 elsewhere (engine/capability.py)."""
+    from engine.capability import choose_dtype, detect_capability
+    from engine.precision import Precision, torch_dtype
+
+    dtype = choose_dtype(detect_capability("cpu"))
+    return next(p.value for p in (Precision.BF16, Precision.FP32) if torch_dtype(p) == dtype)
+
+
+def auto_budget(bf16_budget: str) -> int:
+    """A serve test's memory budget, written for bf16 weights, in bytes for auto_precision(): doubled
+    where that is fp32, since weights, activation reserve and KV all scale with the element size.
+    Without it a 280 MiB budget holds half the fp32 model, and the engine starts with most layers
+    quantized."""
+    from engine.config import parse_bytes
+
+    return parse_bytes(bf16_budget) * (2 if auto_precision() == "fp32" else 1)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

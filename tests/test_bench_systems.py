@@ -60,6 +60,20 @@ def test_budget_adds_up_and_rounds_to_mib(facts):
 def test_budget_rejects_nonsense(facts):
     with pytest.raises(BenchmarkInputError, match="kv_sequences"):
         plan_budget(facts, max_model_len=64, kv_sequences=0)
+    with pytest.raises(BenchmarkInputError, match="dtype"):
+        plan_budget(facts, max_model_len=64, kv_sequences=2, dtype="fp8")
+
+
+def test_an_fp32_budget_counts_four_bytes_everywhere_and_serves_fp32(facts):
+    bf16 = plan_budget(facts, max_model_len=64, kv_sequences=2, block_size=16, max_num_batched_tokens=32)
+    fp32 = plan_budget(facts, max_model_len=64, kv_sequences=2, block_size=16, max_num_batched_tokens=32, dtype="fp32")
+    assert fp32.weight_bytes == 2 * bf16.weight_bytes and fp32.reserve_bytes == 2 * bf16.reserve_bytes
+    assert fp32.kv_bytes_per_token == 2 * bf16.kv_bytes_per_token and fp32.kv_tokens >= 2 * 64
+    assert "fp32 weights" in fp32.describe() and "x 4 B" in fp32.describe()
+    assert morphserve_app_args(system_specs([STATIC_FP], 4)[0], fp32, "/m", "t")["dtype"] == "fp32"
+    assert bench_config(parse_args(["--dtype", "fp32"])).dtype == "fp32"
+    assert bench_config(parse_args(["--dtype", "auto"])).dtype in ("bf16", "fp32")
+    assert bench_config(parse_args([])).dtype == "bf16"  # vLLM's default, so the KV bytes compare
 
 
 def test_specs_in_the_given_order_with_their_settings():
@@ -180,6 +194,7 @@ def test_status_parsers_map_onto_the_plot_names():
     with_precisions = json.dumps({"morph_state": {"precisions": ["bf16", "int4", "bf16", "int8", "int4"]}})
     assert morphserve_labels(with_precisions) == {"config": "int4:1,4;int8:3"}
     assert morphserve_labels(json.dumps({"morph_state": {"precisions": ["bf16"] * 3}})) == {"config": "full"}
+    assert morphserve_labels(json.dumps({"morph_state": {"precisions": ["fp32", "int4", "fp32"]}})) == {"config": "int4:1"}
     assert parse_label("int4:1,4;int8:3") == {1: "int4", 4: "int4", 3: "int8"} and parse_label("full") == {}
     metrics = ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n"
                "# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name=\"m\"} 2.0\n")

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from deployments.router import FIT_CLASSES
+from tests.serve_helpers import auto_budget
 from tests.test_serve_morph import Traffic
 
 BUDGET = 4
@@ -21,7 +22,7 @@ FLEET_CONTROLLER = {"controller_name": "test-fleet-controller", "controller_name
 # compute at batch > quantized_faster_max_batch asks for a replica instead of morphing).
 COMMON = {
     # Generous report deadline: these tests share 2 loaded cores; a late report falls back locally.
-    "memory_budget": "280MiB", "mode": "performance", "report_interval_s": 0.1, "controller_timeout_s": 2.0,
+    "memory_budget": auto_budget("280MiB"), "mode": "performance", "report_interval_s": 0.1, "controller_timeout_s": 2.0,
     "max_layers_per_step": 4, "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
     "engine": {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 128, "num_threads": 1},
     "engine_num_cpus": 0.5,
@@ -155,7 +156,9 @@ def _sum(text: str, name: str, label: str) -> float:
 def test_a_killed_replica_is_forgotten_and_its_grant_goes_to_the_pressed_survivor(fleet_app):
     ray, url = fleet_app
     names = serve_replica_names(ray, "morphserve")
-    traffic = Traffic(url, workers=16, max_tokens=24)
+    # 24 clients (12 per replica, each ~6 blocks): both replicas need 2-3 layers, so the fleet's 4 are in
+    # use in bf16 and fp32 alike (with 16, an fp32 fleet on an AVX2 CPU held 1 + 1 and never reached it).
+    traffic = Traffic(url, workers=24, max_tokens=24)
     status = lambda: controller_status(ray, FLEET_CONTROLLER)  # noqa: E731
     try:
         # A moment where the budget is in use and some replica holds a grant: that one is killed. (Its

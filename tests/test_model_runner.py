@@ -21,11 +21,11 @@ def model(tiny_model_dir) -> Transformer:
     return load_model(tiny_model_dir)
 
 
-def make_runner(model: Transformer, max_blocks: int = 32) -> ModelRunner:
+def make_runner(model: Transformer, max_blocks: int = 32, linears: str = "auto") -> ModelRunner:
     c = model.config
     storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, torch.float32, "cpu",
                         max_blocks=max_blocks, capacity=max_blocks)
-    return ModelRunner(model, storage, "cpu")
+    return ModelRunner(model, storage, "cpu", linears=linears)
 
 
 def step(runner: ModelRunner, *chunks: ScheduledChunk) -> torch.Tensor:

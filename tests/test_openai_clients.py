@@ -11,7 +11,7 @@ import math
 import jsonschema
 import pytest
 
-from tests.serve_helpers import http, serve_app
+from tests.serve_helpers import auto_budget, http, serve_app
 
 pytestmark = pytest.mark.slow
 CONTROLLER = {"controller_name": "test-openai-clients-controller", "controller_namespace": "morphserve-test-clients"}
@@ -42,7 +42,7 @@ for schema in SCHEMAS:
 
 @pytest.fixture(scope="module")
 def app_url():
-    with serve_app({"memory_budget": "600MiB", "engine": {"max_model_len": 1024}, **CONTROLLER}) as (_, url):
+    with serve_app({"memory_budget": auto_budget("600MiB"), "engine": {"max_model_len": 1024}, **CONTROLLER}) as (_, url):
         yield url
 
 

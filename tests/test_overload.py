@@ -19,7 +19,7 @@ import urllib.parse
 
 import pytest
 
-from tests.serve_helpers import admin_status, http, serve_app, until
+from tests.serve_helpers import admin_status, auto_budget, http, serve_app, until
 
 ADMIN = "admin-overload-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,7 +28,7 @@ CAPACITY = 4  # max_num_seqs + max_waiting
 # 20 on 2 cores) cannot meet it and may set MORPHSERVE_OVERLOAD_DEADLINE_S, which the report names.
 DEADLINE_S = float(os.environ.get("MORPHSERVE_OVERLOAD_DEADLINE_S", "1.0"))
 ARGS = {
-    "admin_token": ADMIN, "memory_budget": "300MiB", "mode": "performance", "report_interval_s": 0.1,
+    "admin_token": ADMIN, "memory_budget": auto_budget("300MiB"), "mode": "performance", "report_interval_s": 0.1,
     "max_layers_per_step": 4, "max_waiting": 2, "retry_after_s": 2,
     "engine": {"max_model_len": 512, "max_num_seqs": 2, "max_num_batched_tokens": 128},
     "controller_name": "test-overload-controller", "controller_namespace": "morphserve-test-overload",

@@ -1,5 +1,7 @@
-"""Pre-packed (oneDNN) bf16 linears: same outputs as F.linear, same bytes in the ledger, and a swap
-down + restore of a packed layer is a bit-identical round trip that repacks on install."""
+"""Pre-packed (oneDNN) linears, in every full-precision dtype this CPU packs (bf16 with native bf16,
+fp32 anywhere): the outputs of F.linear (bit for bit in bf16, where F.linear is oneDNN too; within float
+rounding in fp32, where it is MKL), the same bytes in the ledger, and a swap down + restore of a packed
+layer is a bit-identical round trip that repacks on install."""
 from __future__ import annotations
 
 import pytest
@@ -7,13 +9,15 @@ import torch
 
 from engine.layers.packed import PackedLinear, packing_available
 from engine.morph.actions import RestoreLayer, SwapLayer
-from engine.precision import Precision
+from engine.precision import Precision, torch_dtype
 from engine.sampling_params import SamplingParams
 from tests.morph_helpers import engine_for, one_thread  # noqa: F401 (one_thread is a fixture)
 from tests.test_layer_swapper import current_tensors, original_tensors
 
+PACKED_DTYPES = [p for p in (Precision.BF16, Precision.FP32) if packing_available(torch_dtype(p), "cpu")]
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="no native bf16 on this CPU")]
+              pytest.mark.skipif(not PACKED_DTYPES, reason="this CPU packs no full-precision dtype (no oneDNN)")]
+by_dtype = pytest.mark.parametrize("dtype", [p.value for p in PACKED_DTYPES])
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [11, 12, 13], "c": list(range(20, 37))}
 
@@ -30,13 +34,22 @@ def generate(engine) -> dict[str, list[int]]:
 
 
 
+def assert_same(got, want, dtype: str) -> None:
+    """bf16: bit for bit; fp32: within float rounding (oneDNN and MKL sum in different orders)."""
+    if dtype == "bf16":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _dense(lin):
     from engine.layers.linear import DenseLinear
     return DenseLinear(lin.weight, None if lin.bias is None else lin.bias.clone())
 
 
-def test_packed_model_matches_plain_and_counts_the_same_bytes(tiny_model_dir, tmp_path):
-    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False)
+@by_dtype
+def test_packed_model_matches_plain_and_counts_the_same_bytes(tiny_model_dir, tmp_path, dtype):
+    engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False)
     layer = engine.model.layers[0]
     linears = layer.get_linears()
     assert all(isinstance(l, PackedLinear) for l in linears.values())
@@ -45,20 +58,21 @@ def test_packed_model_matches_plain_and_counts_the_same_bytes(tiny_model_dir, tm
     assert sum(g.nbytes() for g in groups.values()) == layer.weight_bytes() == engine.ledger.layer_weights(0)
     packed = generate(engine)
 
-    plain_engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False)
+    plain_engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False)
     for lyr in plain_engine.model.layers:
         lyr.pack = False
         lyr.set_weights({n: _dense(l) for n, l in lyr.get_linears().items()})
     assert not isinstance(plain_engine.model.layers[0].q_proj, PackedLinear)
     assert generate(plain_engine) == packed
-    for lin in linears.values():  # a member alone = F.linear on its rows, bit for bit
-        x = torch.randn(5, lin.in_features, dtype=torch.bfloat16)
-        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    for lin in linears.values():  # a member alone = F.linear on its rows
+        x = torch.randn(5, lin.in_features, dtype=torch_dtype(Precision(dtype)))
+        assert_same(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), dtype)
 
 
-def test_packed_head_gives_the_same_logits_and_is_counted(tiny_model_dir, tmp_path):
-    assert engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False).model._packed_head is None
-    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16", enable_morphing=False, pack_lm_head=True)
+@by_dtype
+def test_packed_head_gives_the_same_logits_and_is_counted(tiny_model_dir, tmp_path, dtype):
+    assert engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False).model._packed_head is None
+    engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False, pack_lm_head=True)
     model = engine.model
     head = model._packed_head
     assert head is not None  # packed by the builder, before the memory plan
@@ -68,15 +82,17 @@ def test_packed_head_gives_the_same_logits_and_is_counted(tiny_model_dir, tmp_pa
                 + [w for layer in model.layers for w in layer.get_norm_weights().values()])
     ledger_base = engine.ledger.weights - sum(engine.ledger.layer_weights(i) for i in range(len(model.layers)))
     assert model.base_weight_bytes() == plain + head.nbytes() == ledger_base
-    hidden = torch.randn(7, model.config.hidden_size, dtype=torch.bfloat16)
+    hidden = torch.randn(7, model.config.hidden_size, dtype=torch_dtype(Precision(dtype)))
     normed = model.norm(hidden)
     want = torch.nn.functional.linear(normed, model.lm_head.weight, model.lm_head.bias).float()
-    assert torch.equal(model.compute_logits(hidden), want)
-    assert torch.equal(model.compute_logits(hidden[2:3]), want[2:3])  # row-invariant
+    logits = model.compute_logits(hidden)
+    assert_same(logits, want, dtype)
+    assert torch.equal(model.compute_logits(hidden[2:3]), logits[2:3])  # row-invariant
 
 
-def test_swap_and_restore_of_a_packed_layer_is_bit_identical(tiny_model_dir, tmp_path):
-    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16")
+@by_dtype
+def test_swap_and_restore_of_a_packed_layer_is_bit_identical(tiny_model_dir, tmp_path, dtype):
+    engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype)
     originals = original_tensors(engine, 1)
     before = generate(engine)
     down = engine.apply(SwapLayer(1, Precision.INT4))

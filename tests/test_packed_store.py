@@ -11,23 +11,26 @@ from engine.layers.packed import PackedGroup, PackedLinear, packing_available
 from engine.morph.actions import RestoreLayer, SwapLayer
 from engine.morph.layer_swapper import build_linears
 from engine.morph.packed_store import layer_file
-from engine.precision import Precision
+from engine.precision import Precision, torch_dtype
 from engine.quant.int4 import Int4Linear
 from tests.morph_helpers import engine_for, one_thread  # noqa: F401 (one_thread is a fixture)
 from tests.test_layer_swapper import current_tensors, original_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-needs_packing = pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu") or mkldnn_blob_reason() is not None,
-                                   reason="no native bf16 packing here, or the compiled kernels are not built")
+PACKED_DTYPES = [p.value for p in (Precision.BF16, Precision.FP32) if packing_available(torch_dtype(p), "cpu")]
+needs_packing = pytest.mark.skipif(not PACKED_DTYPES or mkldnn_blob_reason() is not None,
+                                   reason="this CPU packs no full-precision dtype, or the compiled kernels are not built")
+by_dtype = pytest.mark.parametrize("dtype", PACKED_DTYPES or ["bf16"])
 
 
 @needs_packing
-def test_restore_maps_the_packed_layer_and_packs_nothing(tiny_model_dir, tmp_path, monkeypatch):
-    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16")
+@by_dtype
+def test_restore_maps_the_packed_layer_and_packs_nothing(tiny_model_dir, tmp_path, monkeypatch, dtype):
+    engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype)
     originals = original_tensors(engine, 1)
     fresh = {id(lin.group): lin.group.to_blob()[0] for lin in engine.model.layers[1].get_linears().values()}
     swapper = engine.morph_executor.swapper
-    assert swapper.packed is not None and swapper.packed.has(1, Precision.BF16)
+    assert swapper.packed is not None and swapper.packed.has(1, Precision(dtype))
 
     def no_packing(*args, **kwargs):
         raise AssertionError("a restore from the packed store must not pack")
@@ -50,13 +53,14 @@ def test_restore_maps_the_packed_layer_and_packs_nothing(tiny_model_dir, tmp_pat
 
 
 @needs_packing
-def test_a_restored_group_computes_what_a_freshly_packed_one_does(tiny_model_dir, tmp_path):
-    engine = engine_for(tiny_model_dir, tmp_path, dtype="bf16")
+@by_dtype
+def test_a_restored_group_computes_what_a_freshly_packed_one_does(tiny_model_dir, tmp_path, dtype):
+    engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype)
     engine.apply(SwapLayer(2, Precision.INT4))
     engine.apply(RestoreLayer(2))
     groups = {id(l.group): l.group for l in engine.model.layers[2].get_linears().values()}
     for group in groups.values():
-        x = torch.randn(7, group.in_features, dtype=torch.bfloat16)
+        x = torch.randn(7, group.in_features, dtype=group.dtype)
         assert torch.equal(group(x), PackedGroup(group.plain_rows(0, group.out_features), group.bias)(x))
 
 

@@ -13,6 +13,7 @@ from ops.bench import quant_kernels as qk
 SMALL = [(128, 192)]  # in x out: 2 groups of 64, 3 column blocks of 64
 _no_amx = int4_amx_reason() or int8_amx_reason()
 needs_amx = pytest.mark.skipif(_no_amx is not None, reason=f"AMX ops: {_no_amx}")
+needs_bf16 = pytest.mark.skipif(qk.baseline_reason() is not None, reason=f"{qk.baseline_reason()}")
 
 
 def _check_cells(cells: list[dict], names: set[str]) -> None:
@@ -27,6 +28,7 @@ def _check_cells(cells: list[dict], names: set[str]) -> None:
             assert err[name] < 0.25, (name, err[name])  # INT4 RTN on Gaussian weights: ~0.1
 
 
+@needs_bf16
 def test_candidates_agree_and_report_ratios():
     torch.manual_seed(0)
     cells = qk.run([1, 5], rounds=2, inner=1, copies=2, amx=False, shapes=SMALL)
@@ -36,6 +38,7 @@ def test_candidates_agree_and_report_ratios():
 
 
 @needs_amx
+@needs_bf16
 def test_amx_candidate_is_timed_and_agrees():
     torch.manual_seed(0)
     cells = qk.run([3], rounds=1, inner=1, copies=1, amx=True, shapes=SMALL)
@@ -43,7 +46,14 @@ def test_amx_candidate_is_timed_and_agrees():
                          "int4_dequant_linear", "int8_onednn_dynamic", "int4_amx", "int8_amx"})
 
 
+@needs_bf16
 def test_candidates_can_be_chosen():
     torch.manual_seed(0)
     cells = qk.run([2], rounds=1, inner=1, copies=1, amx=False, shapes=SMALL, only={"int8_pack_mm"})
     _check_cells(cells, {qk.BASELINE, "int8_pack_mm"})
+
+
+@pytest.mark.skipif(qk.baseline_reason() is None, reason="this CPU packs bf16: the benchmark runs")
+def test_without_native_bf16_it_says_what_to_run_instead():
+    with pytest.raises(SystemExit, match="decode_step"):
+        qk.run([1], rounds=1, inner=1, copies=1, amx=False, shapes=SMALL)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from engine.errors import InvalidRequestError
-from tests.serve_helpers import CHAT_PROMPT, http, serve_app
+from tests.serve_helpers import CHAT_PROMPT, auto_budget, http, serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY, ADMIN = "sk-test-key", "admin-test-token"
@@ -116,7 +116,7 @@ def test_autoscaling_never_cancels_a_replica_that_is_still_starting():
 
 @pytest.fixture(scope="module")
 def app_url():
-    with serve_app({"api_key": API_KEY, "admin_token": ADMIN, "memory_budget": "600MiB",
+    with serve_app({"api_key": API_KEY, "admin_token": ADMIN, "memory_budget": auto_budget("600MiB"),
                     "engine": {"max_model_len": 1024}, **CONTROLLER}) as (_, url):
         yield url
 

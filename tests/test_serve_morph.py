@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.morph.actions import ActionResult, MorphState, SetQuantizedTarget
 from engine.precision import Precision
 from engine.pressure import LedgerFigures, PressureSnapshot
+from tests.serve_helpers import auto_budget, auto_precision
 
 NUM_LAYERS, BASE_BLOCKS, BLOCKS_PER_LAYER = 8, 40, 5
 FAST_POLICY = {"enter_after": 2, "relax_after": 3, "history_len": 16}
@@ -241,7 +242,7 @@ def test_a_failing_round_does_not_stop_the_loop():
 ADMIN = "admin-morph-test"
 CONTROLLER = {"controller_name": "test-serve-morph-controller", "controller_namespace": "morphserve-test-morph"}
 MORPH_ARGS = {
-    "admin_token": ADMIN, "memory_budget": "280MiB", "mode": "performance", "report_interval_s": 0.1,
+    "admin_token": ADMIN, "memory_budget": auto_budget("280MiB"), "mode": "performance", "report_interval_s": 0.1,
     "controller_timeout_s": 0.3, "max_layers_per_step": 4,
     "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
     "engine": {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 128}, **CONTROLLER,
@@ -311,7 +312,7 @@ def test_a_burst_swaps_layers_down_and_idle_restores_them(morph_app):
     assert all(body["choices"][0]["message"]["content"] for _, body in results)
     restored = until(lambda: (lambda s: s if s["morph_state"]["num_quantized"] == 0 else None)(admin_status(url, ADMIN)),
                      120, "every layer restored after the burst")
-    assert set(restored["morph_state"]["precisions"]) == {"bf16"}
+    assert set(restored["morph_state"]["precisions"]) == {auto_precision()}
     assert restored["morph_state"]["kv_capacity_blocks"] == base_blocks
     assert _chat(url, 1)[0] == 200
     # The same story in the replica's metrics, as Ray's metrics agent exports them.

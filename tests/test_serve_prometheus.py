@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_helpers import admin_status, http, serve_app, until
+from tests.serve_helpers import admin_status, auto_budget, http, serve_app, until
 
 pytestmark = [
     pytest.mark.slow,
@@ -21,7 +21,7 @@ DASHBOARD = Path(__file__).resolve().parents[1] / "ops" / "monitoring" / "grafan
 ADMIN = "admin-prometheus-test"
 CONTROLLER = {"controller_name": "test-serve-prom-controller", "controller_namespace": "morphserve-test-prom"}
 # Few KV blocks and many sequences at once: a burst of long answers runs out of blocks (preemptions).
-ARGS = {"admin_token": ADMIN, "memory_budget": "300MiB", "mode": "performance", "report_interval_s": 0.1,
+ARGS = {"admin_token": ADMIN, "memory_budget": auto_budget("300MiB"), "mode": "performance", "report_interval_s": 0.1,
         "max_layers_per_step": 4, "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
         "engine": {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 128},
         "fleet_max_quantized_layers": 30, **CONTROLLER}

@@ -71,15 +71,24 @@ inline void write_normed(const T* a, const T* w, T* o, int64_t n, float ss, floa
   for (int64_t i = 0; i < n; ++i) o[i] = from_float<T>(to_float(w[i]) * to_float(from_float<T>(to_float(a[i]) * inv)));
 }
 
+// A row's sum of squares in fp32. One loop for rms_norm and add_rms_norm alike: how the compiler
+// vectorizes a reduction sets its summation order, and a sum taken inside add_rms_norm's add loop was
+// ordered differently on an AVX2-only CPU (bf16 there has no vector conversion), so its rows differed
+// from rms_norm's in the last bit.
+template <typename T>
+inline float sum_squares(const T* a, int64_t n) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += to_float(a[i]) * to_float(a[i]);
+  return ss;
+}
+
 // HF's RMSNorm, the mean in fp32.
 template <typename T>
 void norm_rows(const T* x, int64_t x_s, const T* w, T* out, int64_t rows, int64_t n, float eps) {
   for_rows(rows, n, [&](int64_t r) {
     const T* a = x + r * x_s;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += to_float(a[i]) * to_float(a[i]);
-    write_normed(a, w, out + r * n, n, ss, eps);
+    write_normed(a, w, out + r * n, n, sum_squares(a, n), eps);
   });
 }
 
@@ -113,13 +122,9 @@ void add_norm_rows(const T* x, int64_t x_s, const T* res, int64_t r_s, const T* 
     const T* a = x + r * x_s;
     const T* b = res + r * r_s;
     T* h = sum + r * n;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) {
-      h[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
-      ss += to_float(h[i]) * to_float(h[i]);
-    }
-    write_normed(h, w, out + r * n, n, ss, eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) h[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+    write_normed(h, w, out + r * n, n, sum_squares(h, n), eps);  // h is still in L1
   });
 }
 

@@ -1,7 +1,9 @@
 """Full-precision linears with pre-packed weights, still swappable.
 
 F.linear on a bf16 CPU weight hands oneDNN a plain [out, in] matrix, which it re-blocks for its
-AVX512-BF16 / AMX micro-kernels on every call. Packing once, when a layer is installed, avoids that.
+AVX512-BF16 / AMX micro-kernels on every call; on an fp32 weight it calls MKL's sgemm, which on an
+AVX2-only AMD EPYC ran SmolLM2's 30 layers at 1.75-2.7x the time of oneDNN's packed fp32 kernel at
+4-32 rows, and its 49,152-row head at 1.9-2.4x (2 threads, distinct weights per layer, 2026-12-02). Packing once, when a layer is installed, avoids both.
 Two layouts, chosen per group by what this process can run (`PackedGroup.layout`):
 
 - "vnni32" (a CPU with AMX-BF16 and the engine's compiled kernels; engine/kernels/bf16_amx.cpp): the
@@ -13,7 +15,8 @@ Two layouts, chosen per group by what this process can run (`PackedGroup.layout`
   rows took 0.67x the brgemm route's time including the unpack. Needs in and out features that are
   multiples of 32.
 - "mkldnn" (elsewhere): `torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call
-  (what vLLM's CPU build and torch.compile's freezing do); outputs bit-identical to F.linear.
+  (what vLLM's CPU build and torch.compile's freezing do); in bf16 outputs bit-identical to F.linear
+  (which is oneDNN too), in fp32 within float rounding of it (MKL sums in another order).
 
 How it stays swappable: a decoder layer packs a group of linears (q/k/v, gate/up, o, down) when it
 installs them (`DecoderLayer.set_weights`, also after a load or a restore), so packing is part of the
@@ -23,7 +26,8 @@ of the packed tensor (the members of a group sum to exactly the packed bytes, so
 resident byte) and `.weight` = a plain copy of its rows, read back from the packed tensor (bit-identical
 to what was packed) for tools and tests. The plain weights are not kept.
 
-Only where it pays: bf16 on a CPU with native bf16 (engine/capability.py). Elsewhere layers keep
+Where it pays: bf16 on a CPU with native bf16 (engine/capability.py), and fp32 on any CPU with oneDNN
+(dtype=auto's choice where bf16 is not native). Elsewhere (CUDA, fp16, emulated bf16) layers keep
 DenseLinear and F.linear.
 """
 from __future__ import annotations
@@ -71,9 +75,17 @@ def unpack_vnni(packed: Tensor) -> Tensor:
 
 
 def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether full-precision linears of `dtype` on `device` are packed (see the module docstring)."""
     dev = torch.device(device)
-    return (dev.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and detect_capability(dev).native_bf16)
+    if dev.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and detect_capability(dev).native_bf16)
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """oneDNN's linear on a plain [out, in] weight, reordered per call (no packed copy kept): for an fp32
+    weight too large to keep twice (a tied head), where F.linear would run MKL's sgemm."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class PackedGroup:

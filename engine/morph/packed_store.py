@@ -53,11 +53,12 @@ PACKED_VERSION = 2  # bump when the files' layout changes (2: INT4 scales stored
 
 
 @functools.cache
-def packed_layout() -> str | None:
-    """This process's oneDNN packing key, or None when packed layers cannot be stored and wrapped back."""
+def packed_layout(dtype: torch.dtype) -> str | None:
+    """This process's oneDNN packing key for `dtype` weights (a probe packed and hashed: its bytes and
+    descriptor change when oneDNN's layout does), or None when packed layers cannot be stored and wrapped back."""
     if mkldnn_blob_reason() is not None:
         return None
-    probe = ((torch.arange(96 * 128).reshape(96, 128) % 251) - 125).to(torch.bfloat16) / 64
+    probe = ((torch.arange(96 * 128).reshape(96, 128) % 251) - 125).to(dtype) / 64
     blob, md = PackedGroup(probe, None).to_blob()
     digest = hashlib.sha256(blob.numpy().tobytes() + md.numpy().tobytes()).hexdigest()[:12]
     return f"mkldnn:torch-{torch.__version__}:{torch.backends.cpu.get_cpu_capability()}:{digest}"
@@ -116,7 +117,7 @@ class PackedStore:
 def store_layout(store: HostStore) -> str:
     """The key of the layouts this process stores for `store` (format version, oneDNN's, INT4's)."""
     dtype = torch_dtype(Precision(store.manifest.dtype))
-    packed = packed_layout() if packing_available(dtype, "cpu") else None
+    packed = packed_layout(dtype) if packing_available(dtype, "cpu") else None
     return f"v{PACKED_VERSION}|{packed or 'plain'}|{cpu_layout()}"
 
 

@@ -39,6 +39,7 @@ class BenchConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     threads: int = 2
+    dtype: str = "bf16"  # MorphServe's full precision (ops/bench/systems.py: DTYPE_BYTES); vLLM keeps bf16
     start_deadline_s: float = 600.0  # a first start may build the host store
     start_attempts: int = 2  # a server that fails to start (Ray's node timeout on a busy machine) gets one more try
     drain_s: float = 90.0  # after the last arrival, then unfinished requests count as failed
@@ -72,7 +73,7 @@ class BenchConfig:
     def notes(self) -> tuple[str, ...]:
         return (f"systems: {', '.join(self.systems)}; {self.repeats} repeat(s), interleaved (order rotated per "
                 f"repeat), each run on a freshly started server after one warm-up request",
-                f"engine: bf16, block_size {self.block_size}, max_model_len {self.max_model_len}, "
+                f"engine: {self.dtype}, block_size {self.block_size}, max_model_len {self.max_model_len}, "
                 f"max_num_batched_tokens {self.max_num_batched_tokens}, {self.threads} threads; vLLM gets the "
                 f"same KV bytes via --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE is whole GiB only)",
                 f"requests: streaming /v1/chat/completions, temperature 0, ignore_eos; unfinished {self.drain_s:g} s "

@@ -20,7 +20,10 @@ from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.kv_storage import KVStorage
 from engine.model_runner import ModelRunner
 from engine.loader import load_model
-from engine.precision import parse_dtype
+try:
+    from engine.precision import resolve_dtype
+except ImportError:  # an engine from before dtype=auto: name the dtype
+    from engine.precision import parse_dtype as resolve_dtype
 
 BLOCK_SIZE = 16
 
@@ -56,7 +59,7 @@ def profile_step(model, batch: int, context: int, steps: int, top: int, attentio
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="auto", help="auto (the engine's default: bf16 with native bf16, else fp32), bf16, fp32")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
@@ -68,8 +71,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import engine
-    model = load_model(args.model, parse_dtype(args.dtype), "cpu").model
-    report = {"engine": str(Path(engine.__file__).parent), "dtype": args.dtype, "threads": args.threads,
+    model = load_model(args.model, resolve_dtype(args.dtype), "cpu").model
+    report = {"engine": str(Path(engine.__file__).parent), "dtype": str(model.dtype).removeprefix("torch."), "threads": args.threads,
               "context": args.context, "loadavg_1_5_15": list(os.getloadavg()),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "profiles": [profile_step(model, b, args.context, args.steps, args.top, a)

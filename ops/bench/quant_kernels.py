@@ -43,6 +43,17 @@ SHAPES = [(576, 576), (576, 960), (576, 3072), (1536, 576)]  # (in_features, out
 BASELINE = "bf16_packed"
 
 
+def baseline_reason() -> str | None:
+    """Why the baseline cannot run here (None: it can): oneDNN packs bf16 weights only on a CPU with
+    native bf16. Elsewhere the engine serves fp32, and `ops.bench.decode_step` compares INT4 with it."""
+    from engine.layers.packed import packing_available
+
+    if packing_available(torch.bfloat16, "cpu"):
+        return None
+    return ("this CPU has no native bf16, so oneDNN cannot pack the bf16 baseline; the engine serves fp32 here: "
+            "compare INT4 with it in a decode step (python -m ops.bench.decode_step --threads 2 --batch 1 16)")
+
+
 def _dynamic_uint8(x: torch.Tensor) -> tuple[torch.Tensor, float, int]:
     with warnings.catch_warnings():  # quantized tensor types are deprecated; the oneDNN op itself is not
         warnings.simplefilter("ignore", UserWarning)
@@ -125,6 +136,8 @@ def time_cell(layers: list[dict[str, Callable[[], torch.Tensor]]], rounds: int, 
 
 def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool,
         shapes: list[tuple[int, int]] = SHAPES, only: set[str] | None = None) -> list[dict]:
+    if (why := baseline_reason()) is not None:
+        raise SystemExit(f"quant_kernels: {why}")
     out = []
     update_amx_dispatch(int4_min_rows=None)  # `int4_tinygemm` is Int4Linear on torch's kernel; the AMX op is its own candidate
     xs: list[torch.Tensor] = [torch.empty(0)]

@@ -64,6 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "max_model_len sequences (default 2): less makes the replay more memory-bound")
     ap.add_argument("--slo-ttft-s", type=float, default=None, help="the TTFT SLO in seconds, the same for every "
                     "system (default 2, the paper's)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32", "auto"), default=None, help="MorphServe's full precision "
+                    "(default bf16, as vLLM serves; auto: the engine's choice for this CPU, fp32 without native bf16)")
     return ap.parse_args(argv)
 
 
@@ -91,7 +93,20 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         changes["crosscheck"] = None
     if args.no_quality:
         changes["quality"] = False
+    if args.dtype is not None:
+        changes["dtype"] = _resolve_dtype(args.dtype)
     return dataclasses.replace(base, **changes)
+
+
+def _resolve_dtype(name: str) -> str:
+    """'auto' -> what dtype=auto picks on this machine's CPU (engine/capability.py), as a benchmark dtype."""
+    if name != "auto":
+        return name
+    import torch
+
+    from engine.capability import choose_dtype, detect_capability
+
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}[choose_dtype(detect_capability("cpu"))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = resolve_model(args.model, default_cache_dir())
     facts = ModelFacts.from_hf_dir(files.hf_dir)
     plan = plan_budget(facts, cfg.max_model_len, cfg.kv_sequences, cfg.block_size, cfg.max_num_batched_tokens,
-                       weight_bytes=_engine_weight_bytes(files.hf_dir))
+                       weight_bytes=_engine_weight_bytes(files.hf_dir, cfg.dtype), dtype=cfg.dtype)
     specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers, cfg.fleet_budget_replicas)}
     trace = load_trace(datasets.resolve("azure_conv", args.trace))
     unscaled = build_workload(trace, workload_spec(cfg))
@@ -233,15 +248,15 @@ def _tokenizer(hf_dir: Path):
     return (lambda text: tok.encode(text, add_special_tokens=False).ids), (lambda ids: tok.decode(list(ids)))
 
 
-def _engine_weight_bytes(hf_dir: Path) -> int:
-    """Resident bf16 weights as MorphServe's ledger counts them (stored tensors + RoPE tables), so the
-    full-precision KV we hand vLLM is exactly what MorphServe static FP gets."""
-    import torch
-
+def _engine_weight_bytes(hf_dir: Path, dtype: str) -> int:
+    """Resident weights in `dtype` as MorphServe's ledger counts them (stored tensors + RoPE tables), so
+    the full-precision KV we hand vLLM is exactly what MorphServe static FP gets."""
     from engine.loader import load_config, load_weights
     from engine.model import build_model
+    from engine.precision import Precision, torch_dtype
 
-    model = build_model(load_config(hf_dir), load_weights(hf_dir, torch.bfloat16), torch.bfloat16, "cpu")
+    torch_type = torch_dtype(Precision(dtype))
+    model = build_model(load_config(hf_dir), load_weights(hf_dir, torch_type), torch_type, "cpu")
     return model.base_weight_bytes() + sum(model.layer_weight_bytes(i) for i in range(len(model.layers)))
 
 

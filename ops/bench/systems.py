@@ -1,7 +1,8 @@
 """The systems under test, the shared memory budget, and how each one is started and observed.
 
-Every system serves the same Hugging Face folder (the default model's, from engine.loader) in bf16
-on 127.0.0.1 under one memory budget B = bf16 weights + activation reserve + KV. MorphServe gets
+Every system serves the same Hugging Face folder (the default model's, from engine.loader) on
+127.0.0.1 under one memory budget B = weights + activation reserve + KV, in bf16 (MorphServe in
+fp32 with `--dtype fp32`, or `auto` on a CPU without native bf16; vLLM always in its bf16 default). MorphServe gets
 B as its `memory_budget`; vLLM gets the same KV bytes (B - weights - reserve) through
 `--kv-cache-memory-bytes`, because VLLM_CPU_KVCACHE_SPACE counts whole GiB and would round our
 tens of MiB of KV up to 1 GiB (see `vllm_env`).
@@ -21,6 +22,7 @@ from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import parse_json_status, prometheus_status_parser
 
 BF16_BYTES = 2
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}  # the full precisions the benchmark serves MorphServe in (--dtype)
 MIB = 2**20
 
 STATIC_FP = "morphserve-static-fp"
@@ -144,15 +146,16 @@ def _safetensors_params(path: Path) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetPlan:
-    """B = weights + reserve + kv (bf16). kv holds `kv_sequences` full-length sequences at full precision."""
+    """B = weights + reserve + kv, all in `dtype`. kv holds `kv_sequences` full-length sequences at full precision."""
     budget_bytes: int
     weight_bytes: int
     reserve_bytes: int
-    kv_bytes: int  # what B leaves for KV with every layer in bf16 (static FP, and vLLM's KV)
+    kv_bytes: int  # what B leaves for KV with every layer in full precision (static FP, and vLLM's KV)
     kv_bytes_per_token: int
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
+    dtype: str = "bf16"  # MorphServe's full precision (vLLM keeps its bf16 default)
 
     @property
     def kv_blocks(self) -> int:
@@ -169,9 +172,9 @@ class BudgetPlan:
             raise AssertionError("the full-precision KV cannot hold one max-length sequence")
 
     def describe(self) -> str:
-        return (f"{self.budget_bytes / MIB:.1f} MiB = bf16 weights {self.weight_bytes / MIB:.1f} MiB + activation "
+        return (f"{self.budget_bytes / MIB:.1f} MiB = {self.dtype} weights {self.weight_bytes / MIB:.1f} MiB + activation "
                 f"reserve {self.reserve_bytes / MIB:.1f} MiB (max_num_batched_tokens {self.max_num_batched_tokens} x "
-                f"(hidden + intermediate + vocab) x 2 B) + KV {self.kv_bytes / MIB:.2f} MiB "
+                f"(hidden + intermediate + vocab) x {DTYPE_BYTES[self.dtype]} B) + KV {self.kv_bytes / MIB:.2f} MiB "
                 f"({self.kv_blocks} blocks of {self.block_size} tokens = {self.kv_tokens} tokens at "
                 f"{self.kv_bytes_per_token} B/token in full precision; more when layers are quantized)")
 
@@ -181,21 +184,24 @@ class BudgetPlan:
 
 
 def plan_budget(facts: ModelFacts, max_model_len: int, kv_sequences: float, block_size: int = 16,
-                max_num_batched_tokens: int = 512, weight_bytes: int | None = None) -> BudgetPlan:
+                max_num_batched_tokens: int = 512, weight_bytes: int | None = None, dtype: str = "bf16") -> BudgetPlan:
     """The budget that leaves KV for `kv_sequences` sequences of `max_model_len` tokens at full
-    precision, rounded up to whole MiB (the extra bytes go to KV). `weight_bytes`: what the engine's
-    ledger counts (it adds the RoPE tables to the stored tensors); default: the stored tensors."""
+    precision (`dtype`), rounded up to whole MiB (the extra bytes go to KV). `weight_bytes`: what the
+    engine's ledger counts (it adds the RoPE tables to the stored tensors); default: the stored tensors."""
     if max_model_len < block_size or kv_sequences < 1:
         raise BenchmarkInputError(f"max_model_len={max_model_len}, kv_sequences={kv_sequences}: need "
                                   f"max_model_len >= block_size ({block_size}) and kv_sequences >= 1")
-    reserve = max_num_batched_tokens * (facts.hidden_size + facts.intermediate_size + facts.vocab_size) * BF16_BYTES
-    per_token = facts.kv_bytes_per_token()
+    if dtype not in DTYPE_BYTES:
+        raise BenchmarkInputError(f"dtype={dtype!r}: the benchmark serves MorphServe in {sorted(DTYPE_BYTES)}")
+    elem = DTYPE_BYTES[dtype]
+    reserve = max_num_batched_tokens * (facts.hidden_size + facts.intermediate_size + facts.vocab_size) * elem
+    per_token = facts.kv_bytes_per_token(elem)
     kv_min = -(-int(kv_sequences * max_model_len) // block_size) * block_size * per_token
-    weights = facts.weight_bytes() if weight_bytes is None else weight_bytes
+    weights = facts.weight_bytes(elem) if weight_bytes is None else weight_bytes
     budget = -(-(weights + reserve + kv_min) // MIB) * MIB
     plan = BudgetPlan(budget_bytes=budget, weight_bytes=weights, reserve_bytes=reserve,
                       kv_bytes=budget - weights - reserve, kv_bytes_per_token=per_token, block_size=block_size,
-                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, dtype=dtype)
     plan.check_integrity()
     return plan
 
@@ -262,10 +268,10 @@ def interleaved_schedule(systems: Sequence[str], repeats: int) -> list[tuple[int
 
 def morphserve_app_args(spec: SystemSpec, plan: BudgetPlan, model: str, admin_token: str,
                         max_num_seqs: int = 64) -> dict:
-    """The `args:` of the serve config (deployments/app_args.py: AppArgs): one replica, bf16, CPU."""
+    """The `args:` of the serve config (deployments/app_args.py: AppArgs): the plan's dtype, CPU."""
     if spec.kind != "morphserve":
         raise BenchmarkInputError(f"{spec.name} is not a MorphServe system")
-    return {"model": model, "memory_budget": plan.budget_bytes, "dtype": "bf16", "device": "cpu",
+    return {"model": model, "memory_budget": plan.budget_bytes, "dtype": plan.dtype, "device": "cpu",
             "mode": spec.mode or "balanced", "num_replicas": spec.replicas, "admin_token": admin_token,
             **dict(spec.app_args),
             "engine": {"enable_morphing": spec.enable_morphing, "block_size": plan.block_size,
@@ -336,10 +342,13 @@ def morphserve_labels(body: str) -> dict[str, str]:
 
     state = json.loads(body).get("morph_state") or {}
     precisions = state.get("precisions")
-    return {"config": config_label(precisions, FULL_PRECISION)} if isinstance(precisions, list) else {}
+    if not isinstance(precisions, list):
+        return {}
+    full = next((p for p in precisions if p in FULL_PRECISIONS), FULL_PRECISIONS[0])
+    return {"config": config_label(precisions, full)}
 
 
-FULL_PRECISION = "bf16"  # every system serves the model in bf16
+FULL_PRECISIONS = ("bf16", "fp32", "fp16")  # what a full-precision layer reports (the first: when none is)
 
 
 def vllm_status_parser():
