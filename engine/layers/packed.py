@@ -3,7 +3,8 @@
 F.linear on a bf16 CPU weight hands oneDNN a plain [out, in] matrix, which it re-blocks for its
 AVX512-BF16 / AMX micro-kernels on every call; on an fp32 weight it calls MKL's sgemm, which on an
 AVX2-only AMD EPYC ran SmolLM2's 30 layers at 1.75-2.7x the time of oneDNN's packed fp32 kernel at
-4-32 rows, and its 49,152-row head at 1.9-2.4x (2 threads, distinct weights per layer, 2026-12-02). Packing once, when a layer is installed, avoids both.
+4-32 rows, and its 49,152-row head at 1.9-2.4x (2 threads, distinct weights per layer, 2026-12-02).
+Packing once, when a layer is installed, avoids both.
 Two layouts, chosen per group by what this process can run (`PackedGroup.layout`):
 
 - "vnni32" (a CPU with AMX-BF16 and the engine's compiled kernels; engine/kernels/bf16_amx.cpp): the
