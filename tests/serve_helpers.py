@@ -15,11 +15,9 @@ CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 def auto_precision() -> str:
     """The full precision the app's default dtype=auto serves on this machine: bf16 on a CPU with
     native bf16, fp32 elsewhere (engine/capability.py)."""
-    from engine.capability import choose_dtype, detect_capability
-    from engine.precision import Precision, torch_dtype
+    from engine.precision import full_precision_for, resolve_dtype
 
-    dtype = choose_dtype(detect_capability("cpu"))
-    return next(p.value for p in (Precision.BF16, Precision.FP32) if torch_dtype(p) == dtype)
+    return full_precision_for(resolve_dtype("auto")).value
 
 
 def auto_budget(bf16_budget: str) -> int:

@@ -100,13 +100,9 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 def _resolve_dtype(name: str) -> str:
     """'auto' -> what dtype=auto picks on this machine's CPU (engine/capability.py), as a benchmark dtype."""
-    if name != "auto":
-        return name
-    import torch
+    from engine.precision import full_precision_for, resolve_dtype
 
-    from engine.capability import choose_dtype, detect_capability
-
-    return {torch.bfloat16: "bf16", torch.float32: "fp32"}[choose_dtype(detect_capability("cpu"))]
+    return full_precision_for(resolve_dtype(name)).value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

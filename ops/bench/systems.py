@@ -21,8 +21,8 @@ from typing import Literal, Mapping, Sequence
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import parse_json_status, prometheus_status_parser
 
-BF16_BYTES = 2
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}  # the full precisions the benchmark serves MorphServe in (--dtype)
+BF16_BYTES = DTYPE_BYTES["bf16"]
 MIB = 2**20
 
 STATIC_FP = "morphserve-static-fp"
@@ -338,17 +338,15 @@ def morphserve_status(body: str) -> dict[str, float]:
 
 def morphserve_labels(body: str) -> dict[str, str]:
     """The configuration in force (ops/bench/served_quality.py: config_label), from the layer precisions."""
+    from engine.precision import Precision
     from ops.bench.served_quality import config_label
 
     state = json.loads(body).get("morph_state") or {}
     precisions = state.get("precisions")
     if not isinstance(precisions, list):
         return {}
-    full = next((p for p in precisions if p in FULL_PRECISIONS), FULL_PRECISIONS[0])
+    full = next((p for p in precisions if Precision(p).is_full), Precision.BF16.value)  # bf16: every layer quantized
     return {"config": config_label(precisions, full)}
-
-
-FULL_PRECISIONS = ("bf16", "fp32", "fp16")  # what a full-precision layer reports (the first: when none is)
 
 
 def vllm_status_parser():
