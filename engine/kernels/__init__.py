@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp",
+SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "int4_avx2.cpp", HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp",
            HERE / "fused_elementwise.cpp", HERE / "causal_attention.cpp", HERE / "bf16_amx.cpp",
            HERE / "greedy.cpp", HERE / "kv_write.cpp")
 HEADERS = (HERE / "simd_math.h", HERE / "amx_tiles.h")  # included by the sources: a change rebuilds too
@@ -117,6 +117,24 @@ def mkldnn_blob_reason() -> str | None:
 
 def int4_amx_op():
     return None if int4_amx_reason() else torch.ops.morphserve.int4_amx_mm
+
+
+def int4_avx2_reason() -> str | None:
+    """None when `torch.ops.morphserve.int4_avx2_mm` (fp32 activations, AVX2 int4pack layout) can run here,
+    else why not (then INT4 layers use torch's int4pack kernel in bf16)."""
+    if "int4_avx2_mm" not in _state:
+        _load()
+        if _state["reason"]:
+            _state["int4_avx2_mm"] = _state["reason"]
+        elif not hasattr(torch.ops.morphserve, "int4_avx2_mm"):
+            _state["int4_avx2_mm"] = f"{LIBRARY.name} was compiled for a CPU without AVX2 + FMA"
+        else:
+            _state["int4_avx2_mm"] = None
+    return _state["int4_avx2_mm"]  # type: ignore[return-value]
+
+
+def int4_avx2_op():
+    return None if int4_avx2_reason() else torch.ops.morphserve.int4_avx2_mm
 
 
 def causal_attention_reason() -> str | None:

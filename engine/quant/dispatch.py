@@ -3,7 +3,8 @@
 Eligible CPU INT4 weights (int4_kernel.amx_eligible) go to the engine's AMX op (engine/kernels/int4_amx.cpp)
 from `int4_min_rows` rows up, torch's `_weight_int4pack_mm_for_cpu` below; eligible CPU INT8 weights
 (int8.int8_amx_eligible) to engine/kernels/int8_amx.cpp from `int8_min_rows` up, torch's
-`_weight_int8pack_mm` below. None = never the AMX op. The two kernels of a rung round differently, so
+`_weight_int8pack_mm` below. None = never the AMX op. Eligible AVX2-layout INT4 weights (a CPU without
+AVX-512) go to the engine's fp32 AVX2 op at every row count while `int4_avx2` is set. The two kernels of a rung round differently, so
 a threshold above 1 lets a request's output depend on the step's row count (1 = exact batch invariance).
 
 Process-wide like torch's thread count: the engine sets it from EngineConfig.int4_amx_min_rows and
@@ -19,6 +20,8 @@ import dataclasses
 class AmxDispatch:
     int4_min_rows: int | None = None  # rows from which eligible CPU INT4 matmuls use the AMX op; None = never
     int8_min_rows: int | None = None  # likewise for INT8
+    int4_avx2: bool = True  # eligible CPU INT4 weights (int4_kernel.avx2_eligible) use the engine's fp32 AVX2 op
+    # (engine/kernels/int4_avx2.cpp) at every row count; False = torch's int4pack kernel in bf16 (benchmarks)
 
     def __post_init__(self):
         for name in ("int4_min_rows", "int8_min_rows"):
@@ -42,6 +45,6 @@ def set_amx_dispatch(dispatch: AmxDispatch) -> AmxDispatch:
     return previous
 
 
-def update_amx_dispatch(**changes: int | None) -> AmxDispatch:
-    """Change some thresholds (int4_min_rows=..., int8_min_rows=...); returns the record it replaces."""
+def update_amx_dispatch(**changes: int | bool | None) -> AmxDispatch:
+    """Change some fields (int4_min_rows=..., int8_min_rows=..., int4_avx2=...); returns the record it replaces."""
     return set_amx_dispatch(dataclasses.replace(_current, **changes))

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from engine.layers.linear import fuse_rows
 from engine.quant.int4 import Int4Linear
-from engine.quant.int4_kernel import kernel_mm
+from engine.quant.int4_kernel import int4_mm
 from engine.quant.int8 import KERNEL_DTYPE, Int8Linear, int8_mm
 
 _INT4_ROW_BLOCK = 64  # output rows per packed block on AVX512 (AVX2: 32): members must end on a block
@@ -29,18 +29,19 @@ class FusedQuantized:
     """One kernel call computing several quantized linears side by side (outputs concatenated)."""
 
     def __init__(self, kind: str, weight: Tensor, scales: Tensor, bias: Tensor | None, in_features: int,
-                 out_features: int, group_size: int = 0, amx: bool = False):
+                 out_features: int, group_size: int = 0, amx: bool = False, avx2: bool = False):
         self.kind, self.weight, self.scales, self.bias = kind, weight, scales, bias
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.amx = amx  # the AMX op may read the fused bytes (int4_kernel.amx_eligible / int8.int8_amx_eligible)
+        self.avx2 = avx2  # INT4: the AVX2 fp32 op reads them (int4_kernel.avx2_eligible)
 
     def __call__(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        x2 = x.reshape(-1, self.in_features)
         if self.kind == "int8":  # scales stay fp32 (the members' own storage)
-            y = int8_mm(x2, self.weight, self.scales, self.amx)
+            y = int8_mm(x2.to(KERNEL_DTYPE), self.weight, self.scales, self.amx).to(x.dtype)
         else:
-            y = kernel_mm(x2, self.weight, self.group_size, self.scales, self.amx)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = int4_mm(x2, self.weight, self.group_size, self.scales, self.amx, self.avx2)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
@@ -103,7 +104,7 @@ def fuse_quantized(linears: Sequence[nn.Module]) -> FusedQuantized | None:
         return None
     fused = FusedQuantized("int4", _cat([l.packed for l in linears], 0),
                            _cat([l.scales_and_zeros for l in linears], 1), bias, k, n, linears[0].group_size,
-                           all(l.amx for l in linears))
+                           all(l.amx for l in linears), all(l.avx2 for l in linears))
     _repoint(linears, fused, "packed")
     return fused
 

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
 from engine.precision import Precision
-from engine.quant.int4_kernel import (KERNEL_GROUP_SIZES, PackedInt4Weight, amx_eligible, kernel_codes, kernel_layout,
-                                      kernel_mm, layout_backend, pack_int4)
+from engine.quant.int4_kernel import (KERNEL_GROUP_SIZES, PackedInt4Weight, amx_eligible, avx2_eligible, int4_mm,
+                                      kernel_codes, kernel_layout, layout_backend, pack_int4)
 from engine.quant.int4_record import Int4Weight, pack_nibbles, unpack_nibbles
 from engine.quant.int8 import KERNEL_DTYPE
 
@@ -101,6 +101,7 @@ class Int4Linear(nn.Module):
         self.layout = packed.layout  # the key of the packed bytes' layout (int4_kernel.kernel_layout)
         self.backend = layout_backend(packed.layout)
         self.amx = self.backend == "cpu" and amx_eligible(packed.layout, n, k, g)  # AMX op from amx_min_rows rows
+        self.avx2 = self.backend == "cpu" and avx2_eligible(packed.layout, n, k, g)  # fp32 AVX2 op, all rows
         self.register_buffer("packed", packed.packed)
         self.register_buffer("scales_and_zeros", packed.scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -127,12 +128,10 @@ class Int4Linear(nn.Module):
             if self.packed.device.type != self.backend:
                 raise RuntimeError(f"Int4Linear was packed for {self.backend} and then moved to {self.packed.device}; "
                                    f"build it from its Int4Weight on the device it runs on")
-            # x: [..., in] -> [tokens, in] in bf16 (the kernels' dtype); y: [tokens, out]
-            x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
             # no-op unless someone cast the module, or it is a column slice of a fused group (quant/fused.py)
             sz = self.scales_and_zeros.to(KERNEL_DTYPE).contiguous()
-            y = kernel_mm(x2, self.packed, self.group_size, sz, self.amx)
-            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = int4_mm(x.reshape(-1, self.in_features), self.packed, self.group_size, sz, self.amx, self.avx2)
+            y = y.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y

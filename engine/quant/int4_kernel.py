@@ -23,6 +23,9 @@ torch's kernel at 1-4 rows. Both are row-invariant (a row's output does not depe
 the other rows), but they round differently (last bf16 bit), so a request's INT4 outputs can differ
 with the number of rows in the step when it crosses the threshold (as the packed bf16 linear's already
 do: oneDNN picks its kernel by row count). `int4_amx_min_rows=1` gives INT4 layers exact batch invariance.
+Where torch packs the AVX2 layout (a CPU without AVX-512, hence without native bf16, where the engine
+serves fp32), `int4_mm(..., avx2=True)` runs the engine's AVX2 op (engine/kernels/int4_avx2.cpp, same
+bytes) in fp32 at every row count: torch's kernel would compute in emulated bf16 (or scalar fp32).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from engine.quant.int8 import KERNEL_DTYPE, kernel_works
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 DEQUANT_LAYOUT = "dequant"
 _AMX_BLOCK_N = 64  # the AVX512 int4pack layout's column block, which the AMX op reads
+_AVX2_CHUNK_K = 512  # engine/kernels/int4_avx2.cpp: kChunkK, which the group size must divide
 
 
 @functools.cache
@@ -83,6 +87,25 @@ def amx_eligible(layout: str, n: int, k: int, group_size: int) -> bool:
     from engine.kernels import int4_amx_op  # lazy: loading the library is not needed to pack
     return (layout == cpu_layout() and layout.split(":")[2] == "AVX512" and n % _AMX_BLOCK_N == 0
             and k % 2 == 0 and group_size % 2 == 0 and int4_amx_op() is not None)
+
+
+@functools.cache  # asked for every INT4 linear a swap builds; the answer is fixed for the process
+def avx2_eligible(layout: str, n: int, k: int, group_size: int) -> bool:
+    """Whether the AVX2 op (fp32 activations) can read this weight: this process's AVX2 CPU layout
+    (32-column blocks), shapes it handles, and the op built here (engine.kernels.int4_avx2_reason)."""
+    from engine.kernels import int4_avx2_op  # lazy, as amx_eligible
+    return (layout == cpu_layout() and layout.split(":")[2] == "AVX2" and n % 32 == 0 and k % group_size == 0
+            and _AVX2_CHUNK_K % group_size == 0 and int4_avx2_op() is not None)
+
+
+def int4_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor, amx: bool = False,
+            avx2: bool = False) -> Tensor:
+    """x [rows, in] in any float dtype -> [rows, out] in x's dtype. `avx2`: the weight is `avx2_eligible`,
+    and the product is computed in fp32 by the engine's AVX2 op at every row count (the CPUs that use
+    this layout have no native bf16, where torch's kernel would emulate it); else `kernel_mm` in bf16."""
+    if avx2 and amx_dispatch().int4_avx2:
+        return torch.ops.morphserve.int4_avx2_mm(x.float(), packed, group_size, scales_and_zeros).to(x.dtype)
+    return kernel_mm(x.to(KERNEL_DTYPE), packed, group_size, scales_and_zeros, amx).to(x.dtype)
 
 
 def kernel_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor, amx: bool = False) -> Tensor:

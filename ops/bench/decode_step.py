@@ -7,7 +7,8 @@ committed profile; front-to-back without one), RTN (INT4: the same packed kernel
 configurations are interleaved round by round, so load drift hits them alike; each round times
 `--steps` consecutive steps, and the reported figure is the median over rounds of the mean step time.
 `--int4-amx-min-rows never 8` interleaves INT4 kernel dispatch settings (EngineConfig.int4_amx_min_rows:
-torch's int4pack kernel only vs the AMX op from 8 rows up) in the same rounds; `--int8-amx-min-rows` sets
+torch's int4pack kernel only vs the AMX op from 8 rows up) in the same rounds; `--int4-avx2 on off` likewise
+the engine's fp32 AVX2 INT4 op vs torch's kernel in bf16 (CPUs without AVX-512); `--int8-amx-min-rows` sets
 the INT8 threshold (EngineConfig.int8_amx_min_rows; 'never' = torch's _weight_int8pack_mm only).
 
     python -m ops.bench.decode_step --model default --out decode_step.json
@@ -38,10 +39,11 @@ from engine.morph.profiler import LayerSwitch
 from engine.quant.awq import LayerWeights
 from engine.capability import detect_capability
 from engine.config import EngineConfig
-from engine.kernels import int4_amx_reason, int8_amx_reason
+from engine.kernels import int4_amx_reason, int4_avx2_reason, int8_amx_reason
 from engine.quant.dispatch import update_amx_dispatch
 from engine.precision import Precision, resolve_dtype
 from engine.quant.awq import quantize_layer_rtn
+from engine.quant.int4_kernel import cpu_layout
 
 BLOCK_SIZE = 16
 
@@ -92,37 +94,47 @@ def configurations(rungs: Sequence[str], counts: Sequence[int]) -> list[tuple[st
 def bench(model: Transformer, switches: dict[str, LayerSwitch], order: Sequence[int], counts: Sequence[int],
           batches: Sequence[int], context: int, rounds: int, steps: int,
           clock=time.perf_counter, attention: Sequence[str] = ("auto",),
-          amx_min_rows: Sequence[int | None] = (None,), prefill: bool = False) -> dict[str, dict[str, float]]:
+          dispatches: Sequence[tuple[str, dict]] = (("", {}),), prefill: bool = False) -> dict[str, dict[str, float]]:
     """{"batch=<b>": {"<rung>=<n>": median seconds per step}} over interleaved rounds (one warm-up round);
     `switches`: rung -> its LayerSwitch ("int4=0" or "int8=0" is full precision); with several attention
-    routes the keys are "<rung>=<n> attention=<route>", with several INT4 dispatch thresholds
-    "... amx=<rows|never>", all interleaved. `prefill`: each of `batches` is a prefill chunk's token
+    routes the keys are "<rung>=<n> attention=<route>"; `dispatches` are (key suffix, update_amx_dispatch
+    changes) to interleave (INT4 kernel settings, e.g. (" amx=never", {"int4_min_rows": None})). `prefill`: each of `batches` is a prefill chunk's token
     count ("prefill=<n>") instead of a decode batch."""
     vocab = model.config.vocab_size
     runners = {(b, a): ((make_runner(model, 1, b, a), prefill_chunk(b, vocab)) if prefill else
                         (make_runner(model, b, context, a), decode_batch(b, context, vocab)))
                for b in batches for a in attention}
     configs = configurations(list(switches), counts)
-    samples: dict[tuple, list[float]] = {(b, a, c, m): [] for b, a in runners for c in configs for m in amx_min_rows}
+    samples: dict[tuple, list[float]] = {(b, a, c, d): [] for b, a in runners for c in configs for d, _ in dispatches}
     for r in range(rounds + 1):
         for rung, n in configs:
             for i in order[:n]:
                 switches[rung].quantize(i)
             try:
-                for m in amx_min_rows:
-                    update_amx_dispatch(int4_min_rows=m)
+                for d, changes in dispatches:
+                    update_amx_dispatch(**changes)
                     for (b, a), (runner, step) in runners.items():
                         t = time_steps(runner, step, steps, clock)
                         if r > 0:  # round 0 warms caches and the kernels' packing paths
-                            samples[(b, a, (rung, n), m)].append(t)
+                            samples[(b, a, (rung, n), d)].append(t)
             finally:
                 for i in order[:n]:
                     switches[rung].restore(i)
     suffix = (lambda a: f" attention={a}") if len(attention) > 1 else (lambda a: "")
-    amx = (lambda m: f" amx={'never' if m is None else m}") if len(amx_min_rows) > 1 else (lambda m: "")
     kind = "prefill" if prefill else "batch"
-    return {f"{kind}={b}": {f"{c[0]}={c[1]}{suffix(a)}{amx(m)}": statistics.median(samples[(b, a, c, m)])
-                           for a in attention for c in configs for m in amx_min_rows} for b in batches}
+    return {f"{kind}={b}": {f"{c[0]}={c[1]}{suffix(a)}{d}": statistics.median(samples[(b, a, c, d)])
+                           for a in attention for c in configs for d, _ in dispatches} for b in batches}
+
+
+def dispatch_settings(amx_rows: Sequence[str], avx2: Sequence[str]) -> list[tuple[str, dict]]:
+    """(key suffix, update_amx_dispatch changes) for every combination; a setting with one value adds no suffix."""
+    out = []
+    for m in amx_rows:
+        for v in avx2:
+            rows = None if m in ("never", "None") else int(m)
+            label = (f" amx={m}" if len(amx_rows) > 1 else "") + (f" avx2={v}" if len(avx2) > 1 else "")
+            out.append((label, {"int4_min_rows": rows, "int4_avx2": v == "on"}))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -146,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--int4-amx-min-rows", nargs="+", default=[str(EngineConfig.model_fields["int4_amx_min_rows"].default)],
                     help="INT4 dispatch threshold(s) (EngineConfig.int4_amx_min_rows; 'never' = torch's kernel only); "
                          "several are interleaved, e.g. never 8")
+    ap.add_argument("--int4-avx2", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the engine's fp32 AVX2 INT4 op (where torch packs the AVX2 layout) or torch's kernel in bf16; "
+                         "both are interleaved with: --int4-avx2 on off")
     ap.add_argument("--rung", nargs="+", default=["int4"], choices=["int4", "int8"],
                     help="quantized rung(s) the layers switch to; several are interleaved, e.g. --rung int8 int4")
     ap.add_argument("--int8-amx-min-rows", default=str(EngineConfig.model_fields["int8_amx_min_rows"].default),
@@ -155,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    amx_rows = [None if v in ("never", "None") else int(v) for v in args.int4_amx_min_rows]
+    dispatches = dispatch_settings(args.int4_amx_min_rows, args.int4_avx2)
     update_amx_dispatch(int8_min_rows=None if args.int8_amx_min_rows in ("never", "None") else int(args.int8_amx_min_rows))
     loaded = load_model(args.model, resolve_dtype(args.dtype, args.device), args.device)
     name, model = loaded.files.name, loaded.model
@@ -166,13 +181,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     switches = {rung: LayerSwitch(model, {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision(rung))
                                           for i in order.order[:max(args.layers)]}) for rung in args.rung}
     results = bench(model, switches, order.order, args.layers, args.prefill or args.batch, args.context,
-                    args.rounds, args.steps, CLOCKS[args.clock], args.attention, amx_rows, prefill=bool(args.prefill))
+                    args.rounds, args.steps, CLOCKS[args.clock], args.attention, dispatches, prefill=bool(args.prefill))
     report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
               "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
               "context": args.context, "prefill_tokens": args.prefill, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
               "swap_order": order.source, "attention": args.attention, "rungs": args.rung,
               "int4": "rtn, group 128 (64 where needed)", "int8": "rtn, per output channel",
               "int4_amx_min_rows": args.int4_amx_min_rows, "int4_amx": int4_amx_reason() or "available",
+              "int4_avx2": args.int4_avx2, "int4_avx2_op": int4_avx2_reason() or "available", "int4_layout": cpu_layout(),
               "int8_amx_min_rows": args.int8_amx_min_rows, "int8_amx": int8_amx_reason() or "available",
               "median_seconds_per_step": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
@@ -180,11 +196,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{'':<10}" + "".join(f"{c:>{max(14, len(c) + 2)}}" for c in columns))
     for key, row in results.items():
         print(f"{key:<10}" + "".join(f"{row[c] * 1e3:>{max(14, len(c) + 2) - 3}.2f} ms" for c in columns))
-    if len(amx_rows) > 1:
+    if len(dispatches) > 1:
         for key, row in results.items():
-            base = row[f"{args.rung[0]}={args.layers[0]} amx={args.int4_amx_min_rows[0]}"]  # <rung>=0: full precision
-            print(key, " ".join(f"{r}={n} amx={m}: {row[f'{r}={n} amx={m}'] / base:.3f}"
-                                for r, n in configurations(args.rung, args.layers) for m in args.int4_amx_min_rows))
+            base = row[f"{args.rung[0]}={args.layers[0]}{dispatches[0][0]}"]  # <rung>=0: full precision
+            print(key, "ratio to", f"{args.rung[0]}={args.layers[0]}{dispatches[0][0]}:",
+                  " ".join(f"{r}={n}{d}: {row[f'{r}={n}{d}'] / base:.3f}"
+                           for r, n in configurations(args.rung, args.layers) for d, _ in dispatches))
     elif len(args.attention) == 1 and 0 in args.layers:
         for key, row in results.items():
             base = row[f"{args.rung[0]}=0"]  # full precision
