@@ -68,6 +68,26 @@ def test_target_moves_k_layers_per_step_in_swap_order(tiny_model_dir, tmp_path):
     assert engine.apply(SetQuantizedTarget(1, I8)).status == "noop"
 
 
+def test_a_target_prefetches_its_next_layers_before_the_kv_cache_takes_the_freed_bytes(tiny_model_dir, tmp_path):
+    """Each step's down moves free bytes; the next step's variants stage in them (loaded on the worker) and
+    the KV cache grows by the rest, so the next switch only installs: no load on the engine thread."""
+    engine = engine_for(tiny_model_dir, tmp_path)
+    swapper = engine.morph_executor.swapper
+    first = engine.apply(SetQuantizedTarget(3, I4, max_layers_per_step=1))
+    assert first.layers_changed == (0,) and first.kv_blocks_delta > 0
+    assert set(swapper._prefetched) == {(1, I4)}
+    assert engine.ledger.staged == swapper.store.layer_bytes(1, I4)  # paid for before it loads
+    swapper.wait_prefetched()
+    loads = []
+    real_load = swapper.load
+    swapper.load = lambda *a: loads.append(a) or real_load(*a)
+    second = engine.apply(SetQuantizedTarget(3, I4, max_layers_per_step=1))
+    assert second.layers_changed == (1,) and second.kv_blocks_delta > 0
+    assert (1, I4) not in loads  # installed from the prefetch: nothing loaded on the engine thread
+    swapper.wait_prefetched()
+    engine.check_integrity()
+
+
 def test_newer_target_replaces_older_and_results_report_timings(tiny_model_dir, tmp_path):
     engine = engine_for(tiny_model_dir, tmp_path)
     first = engine.apply(SetQuantizedTarget(4, I4, 1))

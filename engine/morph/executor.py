@@ -137,14 +137,19 @@ class MorphExecutor:
             return ActionResult(target, "noop", message="already at the target")
         done: list[SwapResult] = []
         for layer, precision in moves[: target.max_layers_per_step]:
-            done.append(self.swapper.move(layer, precision))
+            done.append(self.swapper.move(layer, precision, grow_kv=False))
             if done[-1].status != "done":
                 break
         left = self.target_moves(target)
         for layer, precision in left[: target.max_layers_per_step]:
             if precision.bits < self.swapper.precision_of(layer).bits:
                 self.swapper.prefetch(layer, precision)  # so the next step's switch does not wait on disk
+        # The KV cache takes what the moves freed only now: grown first, it held every free byte and no
+        # prefetch had room to stage (each next layer then loaded on the engine thread, ~1 ms of a swap).
+        grown = self.kv_resizer.grow(self.kv_resizer.growable_blocks())
         result = _as_action_result(target, done)
+        result = dataclasses.replace(result, kv_blocks_delta=result.kv_blocks_delta + grown.blocks_delta,
+                                     resize_seconds=result.resize_seconds + grown.seconds)
         if result.status == "rejected":
             return result
         status = "done" if not left else "waiting"

@@ -64,7 +64,7 @@ class SwapResult:
 
 
 def layer_precision(model: Transformer, layer: int) -> Precision:
-    return model.layers[layer].get_linears()["q_proj"].precision
+    return model.layers[layer].q_proj.precision  # not get_linears(): 7 module lookups per layer per check
 
 
 @functools.cache
@@ -158,6 +158,12 @@ class LayerSwapper:
             return
         self._prefetched[key] = self._workers.submit(self.load, layer, precision)
 
+    def wait_prefetched(self) -> None:
+        """Block until every prefetch in flight has finished loading (what the step between two morph
+        boundaries gives the worker; benchmarks and tests call it instead of sleeping)."""
+        for future in list(self._prefetched.values()):
+            future.exception()  # waits; a failed load is raised where the switch takes it
+
     def _drop_prefetched(self, key: tuple[int, Precision]) -> None:
         """Forget a prefetch; a load already running is waited for, so the ledger never lets go of bytes
         that are still being filled."""
@@ -177,13 +183,15 @@ class LayerSwapper:
         finally:
             self.ledger.unstage((layer, precision))  # installed now (counted as the layer's) or failed
 
-    def move(self, layer: int, target: Precision) -> SwapResult:
+    def move(self, layer: int, target: Precision, grow_kv: bool = True) -> SwapResult:
+        """Move the layer to `target`. `grow_kv=False`: a down move leaves the bytes it frees to the caller
+        (the executor lets prefetches claim theirs first, then grows the KV cache once)."""
         before = self.precision_of(layer)
         if target == before:
             return SwapResult(layer, before, before, "noop", message=f"layer {layer} is already {target.value}")
         target_bytes = self.store.layer_bytes(layer, target)
         if target_bytes <= self.ledger.layer_weights(layer):
-            return self._down(layer, before, target)
+            return self._down(layer, before, target, grow_kv)
         return self._up(layer, before, target, target_bytes)
 
     def _switch(self, layer: int, target: Precision) -> float:
@@ -199,16 +207,16 @@ class LayerSwapper:
             release_freed_memory()
         return time.perf_counter() - t0
 
-    def _down(self, layer: int, before: Precision, target: Precision) -> SwapResult:
+    def _down(self, layer: int, before: Precision, target: Precision, grow_kv: bool) -> SwapResult:
         old_bytes = self.ledger.layer_weights(layer)
         try:
             swap_s = self._switch(layer, target)
         except ModelLoadError as e:
             return SwapResult(layer, before, before, "rejected", message=str(e))
         self.ledger.set_layer_weights(layer, self.model.layer_weight_bytes(layer))
-        grown = self.kv_resizer.grow(self.kv_resizer.growable_blocks())
+        grown = self.kv_resizer.grow(self.kv_resizer.growable_blocks()) if grow_kv else None
         return SwapResult(layer, before, target, "done", self.ledger.layer_weights(layer) - old_bytes,
-                          grown.blocks_delta, 0, swap_s, grown.seconds)
+                          grown.blocks_delta if grown else 0, 0, swap_s, grown.seconds if grown else 0.0)
 
     def _up(self, layer: int, before: Precision, target: Precision, target_bytes: int) -> SwapResult:
         old_bytes = self.ledger.layer_weights(layer)

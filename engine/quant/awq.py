@@ -100,11 +100,19 @@ class QuantizedLayer:
 
     def build_linears(self, device: torch.device | str = "cpu") -> dict[str, Int8Linear | Int4Linear]:
         """The 7 linears on `device` (packed there), ready for DecoderLayer.set_weights with `norms`."""
-        moved = {n: dataclasses.replace(r, **{f.name: getattr(r, f.name).to(device) for f in dataclasses.fields(r)
-                                              if isinstance(getattr(r, f.name), Tensor)})
+        moved = {n: r if _on(r, device) else dataclasses.replace(
+                     r, **{f.name: getattr(r, f.name).to(device) for f in dataclasses.fields(r)
+                           if isinstance(getattr(r, f.name), Tensor)})
                  for n, r in self.linears.items()}
         return {n: make_linear(r, None if n not in self.biases else self.biases[n].to(device))
                 for n, r in moved.items()}
+
+
+def _on(record, device: torch.device | str) -> bool:
+    """Whether every tensor of the record is already on `device` (a swap-down's records are: no copies)."""
+    device = torch.device(device)
+    return all(t.device == device for f in dataclasses.fields(record)
+               if isinstance(t := getattr(record, f.name), Tensor))
 
 
 @dataclass(frozen=True)

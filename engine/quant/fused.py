@@ -110,15 +110,24 @@ def fuse_quantized(linears: Sequence[nn.Module]) -> FusedQuantized | None:
 
 
 def _repoint(linears: Sequence[nn.Module], fused: FusedQuantized, weight_name: str) -> None:
-    """Members become row slices of the fused tensors: one copy in memory, exact bytes each."""
+    """Members become row slices of the fused tensors: one copy in memory, exact bytes each. Members that
+    already are those slices (read from a store that tiles them, the swap-down path) are left alone:
+    nn.Module.__setattr__ on a buffer costs ~8 us (torch 2.13), ~0.1 ms a layer for nothing."""
     row = 0
     for lin in linears:
         n = lin.out_features
-        setattr(lin, weight_name, fused.weight[row:row + n])
+        _point(lin, weight_name, fused.weight[row:row + n])
         if fused.kind == "int8":
-            lin.scales = fused.scales[row:row + n]
+            _point(lin, "scales", fused.scales[row:row + n])
         else:  # [in/G, n, 2] column slice: a view (Int4Linear makes it contiguous if it runs alone)
-            lin.scales_and_zeros = fused.scales[:, row:row + n]
+            _point(lin, "scales_and_zeros", fused.scales[:, row:row + n])
         if fused.bias is not None:
-            lin.bias = fused.bias[row:row + n]
+            _point(lin, "bias", fused.bias[row:row + n])
         row += n
+
+
+def _point(lin: nn.Module, name: str, view: Tensor) -> None:
+    held = getattr(lin, name)
+    if not (held.data_ptr() == view.data_ptr() and held.shape == view.shape and held.stride() == view.stride()
+            and held.dtype == view.dtype):
+        setattr(lin, name, view)
