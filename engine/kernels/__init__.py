@@ -1,12 +1,13 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
-`paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int8_amx_op()` / `bf16_amx_op()` / `argmax_op()` / `kv_write_op()`
+`paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int4_avx2_op()` / `int8_amx_op()` / `bf16_amx_op()` / `argmax_op()` / `kv_write_op()`
 are the ops, or None when the library is not built or is older than its sources (the callers then use
 their torch-only path, and `available_reason()` says why). The AMX ops also need a CPU with AMX (BF16
 for INT4 and prefill attention, INT8 for INT8) at run time and a library compiled for it (int4_amx.cpp,
 causal_attention.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX;
 int4_amx.cpp also needs AVX512-VBMI, which every AMX CPU has); `int4_amx_reason()` /
-`causal_attention_reason()` / `int8_amx_reason()` say why not."""
+`causal_attention_reason()` / `int8_amx_reason()` say why not. The INT4 AVX2 op (int4_avx2.cpp) is built
+where the compiler targets AVX2 + FMA; `int4_avx2_reason()` says why not."""
 from __future__ import annotations
 
 import logging
