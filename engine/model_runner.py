@@ -21,7 +21,7 @@ import torch
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.capability import detect_capability
 from engine.kernels import available_reason
-from engine.layers.attention import (AttentionMetadata, DecodeBatch, PagedRuns, PrefillChunk, amx_prefill_supported,
+from engine.layers.attention import (AttentionMetadata, DecodeBatch, PagedRuns, PrefillChunk, causal_op_supported,
                                     in_place_supported)
 from engine.layers.packed import packing_available
 from engine.model import Transformer
@@ -62,7 +62,7 @@ class ModelRunner:
             raise ValueError(f"in-place attention does not serve {model.dtype} on {self.device} here "
                              f"({available_reason() or 'CPU with float32 or bfloat16 only'})")
         self.in_place_attention = supported and attention != "gather"
-        self.amx_prefill = amx_prefill_supported(model.dtype, self.device, model.config.head_dim)
+        self.causal_op = causal_op_supported(model.dtype, self.device, model.config.head_dim)
         logger.info("device %s; model dtype %s; attention %s", self.capability.describe(),
                     str(model.dtype).removeprefix("torch."), "in place" if self.in_place_attention else "gather")
 
@@ -111,7 +111,7 @@ class ModelRunner:
             decode=None if self.in_place_attention else self._decode_batch(decodes, block_size),
             prefills=self._prefill_chunks([chunks[i] for i in order[num_decodes:]], num_decodes, block_size),
             paged=self._paged_runs(decodes, block_size) if self.in_place_attention else None,
-            amx_prefill=self.amx_prefill)
+            causal_op=self.causal_op)
         logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.needs_logits]
         return StepInputs(self._long(ids), self._long(positions), meta, self._long(logit_rows),
                           tuple((first_row[i], last_row[i] + 1) for i in range(len(chunks))))
@@ -163,7 +163,7 @@ class ModelRunner:
             else:
                 ids = self._long(c.block_table[:_num_blocks(c.end_pos, block_size)])
                 mask = None
-                if not self.amx_prefill:  # SDPA needs the causal mask with the chunk's offset
+                if not self.causal_op:  # SDPA needs the causal mask with the chunk's offset
                     key_pos = torch.arange(c.end_pos, device=self.device)
                     query_pos = torch.arange(c.start_pos, c.end_pos, device=self.device)
                     mask = key_pos[None, :] <= query_pos[:, None]

@@ -56,7 +56,7 @@ class _Runner(ModelRunner):
 
     def __init__(self, in_place: bool, dtype: torch.dtype, head_dim: int):
         self.device, self.in_place_attention = torch.device("cpu"), in_place
-        self.amx_prefill = attention.amx_prefill_supported(dtype, self.device, head_dim)
+        self.causal_op = attention.causal_op_supported(dtype, self.device, head_dim)
         self.model = type("M", (), {"max_positions": 1 << 20, "config": type("C", (), {"vocab_size": 10})()})()
 
 
@@ -198,8 +198,8 @@ def test_head_dims_of_real_models_match_the_reference(dim, hq, hkv):
 
 @pytest.mark.parametrize("n,start,hq,hkv,dim", [(1, 0, 9, 3, 64), (70, 0, 9, 3, 64), (129, 0, 4, 4, 128),
                                                  (50, 37, 9, 3, 64), (64, 192, 6, 2, 32)])
-def test_amx_prefill_attention_is_causal_with_offset(n, start, hq, hkv, dim):
-    """The AMX prefill op (causal_attention.cpp): rows at positions start + i see keys <= their own, across
+def test_causal_op_attention_is_causal_with_offset(n, start, hq, hkv, dim):
+    """The prefill op (causal_attention.cpp, AVX512-BF16 with or without AMX): rows at positions start + i see keys <= their own, across
     64-key blocks and partial ones, GQA and MHA; against the float64 reference and the SDPA route."""
     from engine.kernels import causal_attention_op, causal_attention_reason
     if causal_attention_reason() is not None:
@@ -219,7 +219,7 @@ def test_amx_prefill_attention_is_causal_with_offset(n, start, hq, hkv, dim):
     torch.testing.assert_close(out.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_amx_prefill_attention_rejects_bad_shapes():
+def test_causal_op_attention_rejects_bad_shapes():
     from engine.kernels import causal_attention_op, causal_attention_reason
     if causal_attention_reason() is not None:
         pytest.skip(causal_attention_reason())

@@ -2,12 +2,12 @@
 
 `paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) / `int4_amx_op()` / `int4_avx2_op()` / `int8_amx_op()` / `bf16_amx_op()` / `argmax_op()` / `kv_write_op()`
 are the ops, or None when the library is not built or is older than its sources (the callers then use
-their torch-only path, and `available_reason()` says why). The AMX ops also need a CPU with AMX (BF16
-for INT4 and prefill attention, INT8 for INT8) at run time and a library compiled for it (int4_amx.cpp,
-causal_attention.cpp and int8_amx.cpp are empty where the compiler does not target AVX512-BF16 + AMX;
-int4_amx.cpp also needs AVX512-VBMI, which every AMX CPU has); `int4_amx_reason()` /
-`causal_attention_reason()` / `int8_amx_reason()` say why not. The INT4 AVX2 op (int4_avx2.cpp) is built
-where the compiler targets AVX2 + FMA; `int4_avx2_reason()` says why not."""
+their torch-only path, and `available_reason()` says why). Some ops also need CPU features at run time and a
+library compiled for them (their sources are empty where the compiler does not target them): the AMX ops
+(int4_amx.cpp, int8_amx.cpp, bf16_amx.cpp) need AMX (BF16 for INT4 and bf16 linears, INT8 for INT8;
+int4_amx.cpp also AVX512-VBMI, which every AMX CPU has), the prefill attention op (causal_attention.cpp)
+needs AVX512-BF16, and the INT4 AVX2 op (int4_avx2.cpp) AVX2 + FMA. `int4_amx_reason()` /
+`causal_attention_reason()` / `int8_amx_reason()` / `bf16_amx_reason()` / `int4_avx2_reason()` say why not."""
 from __future__ import annotations
 
 import logging
@@ -82,18 +82,20 @@ def available_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
-def _amx_reason(op: str, flag: str, fallback: str) -> str | None:
-    """None when `torch.ops.morphserve.<op>` can run here (the CPU has `flag`), else why not (logged once)."""
+def _cpu_op_reason(op: str, flags: tuple[str, ...], fallback: str, tiles: bool = True) -> str | None:
+    """None when `torch.ops.morphserve.<op>` can run here (the CPU has every one of `flags` and, with
+    `tiles`, the kernel has granted AMX tile state), else why not (logged once)."""
     if op not in _state:
         from engine.capability import detect_capability  # /proc/cpuinfo flags, cached
         _load()
-        flags = detect_capability(torch.device("cpu")).cpu_flags
+        have = detect_capability(torch.device("cpu")).cpu_flags
+        named = " + ".join(f.upper().replace("_", "-") for f in flags)
         if _state["reason"]:
             _state[op] = _state["reason"]
-        elif flag not in flags or not torch.cpu._is_amx_tile_supported():
-            _state[op] = f"this CPU has no {flag.upper().replace('_', '-')} (or the kernel has not enabled AMX tiles)"
+        elif any(f not in have for f in flags) or (tiles and not torch.cpu._is_amx_tile_supported()):
+            _state[op] = f"this CPU has no {named}" + (" (or the kernel has not enabled AMX tiles)" if tiles else "")
         elif not hasattr(torch.ops.morphserve, op):
-            _state[op] = f"{LIBRARY.name} was compiled without AVX512-BF16 + {flag.upper().replace('_', '-')}"
+            _state[op] = f"{LIBRARY.name} was compiled for a CPU without {named}"
         else:
             _state[op] = None
         if _state[op]:
@@ -103,7 +105,7 @@ def _amx_reason(op: str, flag: str, fallback: str) -> str | None:
 
 def int4_amx_reason() -> str | None:
     """None when `torch.ops.morphserve.int4_amx_mm` can run here, else why not."""
-    return _amx_reason("int4_amx_mm", "amx_bf16", "INT4 layers use torch's int4pack kernel")
+    return _cpu_op_reason("int4_amx_mm", ("avx512_bf16", "amx_bf16"), "INT4 layers use torch's int4pack kernel")
 
 
 def mkldnn_blob_reason() -> str | None:
@@ -123,15 +125,7 @@ def int4_amx_op():
 def int4_avx2_reason() -> str | None:
     """None when `torch.ops.morphserve.int4_avx2_mm` (fp32 activations, AVX2 int4pack layout) can run here,
     else why not (then INT4 layers use torch's int4pack kernel in bf16)."""
-    if "int4_avx2_mm" not in _state:
-        _load()
-        if _state["reason"]:
-            _state["int4_avx2_mm"] = _state["reason"]
-        elif not hasattr(torch.ops.morphserve, "int4_avx2_mm"):
-            _state["int4_avx2_mm"] = f"{LIBRARY.name} was compiled for a CPU without AVX2 + FMA"
-        else:
-            _state["int4_avx2_mm"] = None
-    return _state["int4_avx2_mm"]  # type: ignore[return-value]
+    return _cpu_op_reason("int4_avx2_mm", ("avx2",), "INT4 layers use torch's int4pack kernel", tiles=False)
 
 
 def int4_avx2_op():
@@ -139,8 +133,10 @@ def int4_avx2_op():
 
 
 def causal_attention_reason() -> str | None:
-    """None when `torch.ops.morphserve.causal_attention` (AMX prefill attention) can run here, else why not."""
-    return _amx_reason("causal_attention", "amx_bf16", "bf16 prefill chunks use SDPA")
+    """None when `torch.ops.morphserve.causal_attention` (bf16 prefill attention through ATen's brgemm) can
+    run here, else why not. It needs AVX512-BF16, not AMX: brgemm runs oneDNN's AMX micro-kernel where the
+    CPU has AMX and its AVX512-BF16 one elsewhere."""
+    return _cpu_op_reason("causal_attention", ("avx512_bf16",), "bf16 prefill chunks use SDPA", tiles=False)
 
 
 def causal_attention_op():
@@ -150,7 +146,7 @@ def causal_attention_op():
 def bf16_amx_reason() -> str | None:
     """None when `torch.ops.morphserve.bf16_amx_linear` (packed bf16 linears streamed through AMX) can run
     here, else why not."""
-    return _amx_reason("bf16_amx_linear", "amx_bf16", "packed bf16 linears use oneDNN's layout")
+    return _cpu_op_reason("bf16_amx_linear", ("avx512_bf16", "amx_bf16"), "packed bf16 linears use oneDNN's layout")
 
 
 def bf16_amx_op():
@@ -159,7 +155,7 @@ def bf16_amx_op():
 
 def int8_amx_reason() -> str | None:
     """None when `torch.ops.morphserve.int8_amx_mm` can run here, else why not."""
-    return _amx_reason("int8_amx_mm", "amx_int8", "INT8 layers use torch's _weight_int8pack_mm")
+    return _cpu_op_reason("int8_amx_mm", ("avx512_bf16", "amx_int8"), "INT8 layers use torch's _weight_int8pack_mm")
 
 
 def int8_amx_op():

@@ -24,8 +24,9 @@ and builds an `AttentionMetadata` once per step; every layer reuses it. Per laye
   3. prefill chunks: a chunk at start_pos 0 attends causally to its own fresh K/V (no gather); a later
      chunk (chunked prefill) gathers its context [0, end_pos) from the cache and masks causally with
      its offset: query at position start_pos + i sees keys at positions <= start_pos + i. On a CPU
-     with AMX in bf16 both go through the AMX op (engine/kernels/causal_attention.cpp: 64-key blocks
-     to the diagonal, the offset as data, no mask tensor); otherwise SDPA.
+     with AVX512-BF16 (AMX or not) in bf16 both go through the engine's op
+     (engine/kernels/causal_attention.cpp: 64-key blocks to the diagonal, the offset as data, no mask
+     tensor); otherwise SDPA.
 
 Cache views (k_cache, v_cache: [max_blocks, block_size, Hkv, D]) are strided slices of one tensor, so
 they are indexed by (block, offset) rather than flattened; they may move after a KV resize, which is
@@ -57,7 +58,7 @@ class PrefillChunk:
     token_end: int
     start_pos: int
     block_ids: torch.Tensor | None  # [nb] long, blocks covering [0, end_pos); None when start_pos == 0
-    mask: torch.Tensor | None  # [n, end_pos] bool causal mask with offset; None when start_pos == 0 or the AMX op serves prefill
+    mask: torch.Tensor | None  # [n, end_pos] bool causal mask with offset; None when start_pos == 0 or the causal op serves prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None  # torch route only
     prefills: tuple[PrefillChunk, ...]
     paged: PagedRuns | None = None  # in-place route: the decodes (then `decode` is None)
-    amx_prefill: bool = False  # prefill chunks through the AMX op (`amx_prefill_supported`; chunks then carry no mask)
+    causal_op: bool = False  # prefill chunks through the causal op (`causal_op_supported`; chunks then carry no mask)
 
 
 def in_place_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -86,9 +87,9 @@ def in_place_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
             and paged_attention_op() is not None)
 
 
-def amx_prefill_supported(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
-    """Whether prefill chunks go through the AMX op (engine/kernels/causal_attention.cpp): CPU, bf16, a
-    head dim that is a multiple of 32 up to 256, the op built and AMX here; else SDPA. The op walks 64-key
+def causal_op_supported(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Whether prefill chunks go through the causal op (engine/kernels/causal_attention.cpp): CPU, bf16, a
+    head dim that is a multiple of 32 up to 256, the op built and AVX512-BF16 here; else SDPA. The op walks 64-key
     blocks to the diagonal; SDPA's CPU kernel walks 512-key blocks and so computes about 75% of a
     1,024-token prompt's score matrix, not its causal half, and a later chunk's mask skips nothing."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and head_dim % 32 == 0
@@ -137,16 +138,16 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, c: PrefillChunk, scale: float, amx: bool) -> torch.Tensor:
-    """q: [n, Hq, D], k/v: [n, Hkv, D] (this chunk's fresh ones) -> [n, Hq, D]. `amx`: the AMX op
-    (AttentionMetadata.amx_prefill), else SDPA."""
+                       v_cache: torch.Tensor, c: PrefillChunk, scale: float, causal_op: bool) -> torch.Tensor:
+    """q: [n, Hq, D], k/v: [n, Hkv, D] (this chunk's fresh ones) -> [n, Hq, D]. `causal_op`: the
+    engine's op (AttentionMetadata.causal_op), else SDPA."""
     if c.block_ids is None:  # first chunk: its whole context is itself
         keys, values, mask, causal = k, v, None, True
     else:
         end = c.start_pos + q.shape[0]
         keys, values = _gather(k_cache, c.block_ids)[:end], _gather(v_cache, c.block_ids)[:end]
         keys, values, mask, causal = keys.to(q.dtype), values.to(q.dtype), c.mask, False
-    if amx:
+    if causal_op:
         return causal_attention_op()(q, keys, values, c.start_pos, scale)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                          values.transpose(0, 1).unsqueeze(0), attn_mask=mask,
@@ -170,7 +171,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta.decode, scale)
     for c in meta.prefills:
         s, e = c.token_start, c.token_end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale, meta.amx_prefill)
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale, meta.causal_op)
     return out
 
 
@@ -182,5 +183,5 @@ def _in_place_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     out = paged_attention_op()(q, k_cache, v_cache, p.block_tables, p.row_start, p.num_rows, p.start_pos, scale)
     for c in meta.prefills:
         s, e = c.token_start, c.token_end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale, meta.amx_prefill)
+        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], k_cache, v_cache, c, scale, meta.causal_op)
     return out

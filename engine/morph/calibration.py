@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from engine import datasets
 from engine.errors import DataUnavailableError, ModelLoadError
-from engine.layers.attention import AttentionMetadata, PrefillChunk, amx_prefill_supported
+from engine.layers.attention import AttentionMetadata, PrefillChunk, causal_op_supported
 from engine.model import Transformer
 from engine.quant.awq import LayerCalibration, record_calibration
 
@@ -100,7 +100,7 @@ class DenseRunner:
             write_blocks=torch.zeros(t, dtype=torch.long, device=device),
             write_offsets=torch.arange(t, device=device), decode=None,
             prefills=tuple(PrefillChunk(i * seq_len, (i + 1) * seq_len, 0, None, None) for i in range(num_seqs)),
-            amx_prefill=amx_prefill_supported(model.dtype, device, c.head_dim))
+            causal_op=causal_op_supported(model.dtype, device, c.head_dim))
         scratch = torch.empty(1, t, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=device)
         self.kv = (scratch, torch.empty_like(scratch))
 
