@@ -7,14 +7,18 @@ AVX2-only AMD EPYC ran SmolLM2's 30 layers at 1.75-2.7x the time of oneDNN's pac
 Packing once, when a layer is installed, avoids both.
 Two layouts, chosen per group by what this process can run (`PackedGroup.layout`):
 
-- "vnni32" (a CPU with AMX-BF16 and the engine's compiled kernels; engine/kernels/bf16_amx.cpp): the
-  weight as [out/32, in/2, 32, 2], AMX's B operand in 32-column blocks. Up to 32 rows (decode steps)
-  the op streams each block once, in order, with prefetch: oneDNN's blocked kernel read 30 layers'
-  weights at 6-8 GB/s at 32 rows here, a plain read of the same bytes runs at 14 GB/s. More rows go
-  through ATen's brgemm on the same bytes; from `PLAIN_GEMM_ROWS` rows (large offline prefill chunks)
-  the group is unpacked into a transient plain copy for F.linear (oneDNN's own GEMM), which at 4,096
-  rows took 0.67x the brgemm route's time including the unpack. Needs in and out features that are
-  multiples of 32.
+- "vnni32" (a CPU with AVX512-BF16 and the engine's compiled kernels): the weight as
+  [out/32, in/2, 32, 2], AMX's B operand in 32-column blocks, which is also what vdpbf16ps takes. Needs
+  in and out features that are multiples of 32. Two ops run it (`vnni_op`):
+  - with AMX-BF16 (engine/kernels/bf16_amx.cpp): up to 32 rows (decode steps) the op streams each block
+    once, in order, with prefetch: oneDNN's blocked kernel read 30 layers' weights at 6-8 GB/s at 32
+    rows on a 2-core Xeon, a plain read of the same bytes runs at 14 GB/s. More rows go through ATen's
+    brgemm on the same bytes; from `PLAIN_GEMM_ROWS` rows (large offline prefill chunks) the group is
+    unpacked into a transient plain copy for F.linear (oneDNN's own GEMM), which at 4,096 rows took
+    0.67x the brgemm route's time including the unpack;
+  - with AVX512-BF16 and no AMX (engine/kernels/bf16_avx512.cpp, e.g. AMD Zen 4): register tiles of
+    vdpbf16ps up to 255 rows, brgemm from 256; 0.53-0.85x oneDNN's time at 1-32 rows, 0.95-0.98x at
+    256-4,096 on a 2-core EPYC.
 - "mkldnn" (elsewhere): `torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call
   (what vLLM's CPU build and torch.compile's freezing do); in bf16 outputs bit-identical to F.linear
   (which is oneDNN too), in fp32 within float rounding of it (MKL sums in another order).
@@ -40,13 +44,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.capability import detect_capability
-from engine.kernels import bf16_amx_op
+from engine.kernels import bf16_amx_op, bf16_avx512_op
 from engine.precision import Precision, full_precision_for
 
 _PACK_BATCH_HINT = 32  # oneDNN's reorder takes an expected row count; the blocked layout does not depend on it
-VNNI_BLOCK = 32  # columns per block of the "vnni32" layout (engine/kernels/bf16_amx.cpp)
+VNNI_BLOCK = 32  # columns per block of the "vnni32" layout (engine/kernels/bf16_amx.cpp, bf16_avx512.cpp)
 _VNNI_MD = b"morphserve:vnni32"  # the descriptor to_blob returns for that layout (oneDNN's is its serialized md)
-# From this many rows a vnni32 call unpacks the weight and runs F.linear. Measured on a 2-core Xeon
+# From this many rows a vnni32 call on AMX unpacks the weight and runs F.linear. Measured on a 2-core Xeon
 # (SmolLM2's four weight shapes, 2 threads): brgemm route / (unpack + F.linear) = 0.83 at 1,024 rows,
 # 1.3 at 2,048, 1.5 at 4,096. The transient copy (one group's weight, out x in bf16) is smaller than the
 # activation reserve a step of this many rows implies (rows x (hidden + intermediate + vocab) x 2 B,
@@ -58,7 +62,14 @@ def vnni_layout_fits(weight: Tensor) -> bool:
     """The "vnni32" layout can hold `weight` ([out, in]) and this process can run it."""
     out_f, in_f = weight.shape
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out_f % VNNI_BLOCK == 0
-            and in_f % VNNI_BLOCK == 0 and bf16_amx_op() is not None)
+            and in_f % VNNI_BLOCK == 0 and vnni_op() is not None)
+
+
+def vnni_op():
+    """The op that runs vnni32 groups here: AMX's where the CPU has AMX-BF16, else the AVX512-BF16 one;
+    None when neither can run (then groups take oneDNN's layout)."""
+    amx = bf16_amx_op()
+    return amx if amx is not None else bf16_avx512_op()
 
 
 def pack_vnni(weight: Tensor) -> Tensor:
@@ -133,9 +144,12 @@ class PackedGroup:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.layout == "vnni32":
+            amx = bf16_amx_op()
+            if amx is None:
+                return bf16_avx512_op()(x, self.packed, self.bias)
             if x.dim() == 2 and x.shape[0] >= PLAIN_GEMM_ROWS:
                 return F.linear(x, unpack_vnni(self.packed), self.bias)
-            return torch.ops.morphserve.bf16_amx_linear(x, self.packed, self.bias)
+            return amx(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def plain_rows(self, start: int, stop: int) -> Tensor:
