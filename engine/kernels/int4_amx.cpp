@@ -4,9 +4,8 @@
 // The weight is never dequantized. With w = code * s + b per (group g, column n) (b = zp - 8 s, torch's
 // int4pack convention), a group's share of y[m][n] is
 //     s[g][n] * sum_{k in g} x[m][k] * (128 + code[k][n])  +  (b[g][n] - 128 s[g][n]) * X_g[m],
-// X_g[m] = sum_{k in g} x[m][k]. 128 + code is an exact bf16 (bits 0x4300 | code: exponent of 128, the
-// code in the low mantissa bits), so turning a 64-column block's nibbles into AMX's VNNI layout is a
-// byte interleave, a mask and an OR, with no float math per weight; AMX multiplies each group (K = G)
+// X_g[m] = sum_{k in g} x[m][k]. 128 + code is an exact bf16 (int4_codes.h turns a 64-column block's
+// nibbles into AMX's VNNI layout with no float math per weight); AMX multiplies each group (K = G)
 // into fp32 tiles (raw tile instructions: per-group GEMMs are small, and a library GEMM call per group
 // cost more than the group's arithmetic) and the per-group scale and offset are applied to the
 // [16 rows, 64 columns] result. The
@@ -32,6 +31,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "int4_codes.h"
 
 namespace {
 
@@ -39,26 +39,6 @@ constexpr int64_t kBlockN = 64;  // the CPU int4pack layout's column block (AVX5
 constexpr int64_t kTile = 16;    // rows of an A / C tile; bf16 pairs (32 k values) per B tile
 
 using BF = at::BFloat16;
-
-// One 64-column block of the int4pack layout ([K][32] bytes: byte j holds column j in the low nibble,
-// column 32 + j in the high one) -> bf16 (128 + code) in VNNI order [K/2][64][2].
-void codes_vnni(const uint8_t* blk, int64_t K, BF* out) {
-  alignas(64) uint8_t idx_arr[64];
-  for (int j = 0; j < 32; ++j) idx_arr[2 * j] = j, idx_arr[2 * j + 1] = 64 + j;  // row k byte j, row k+1 byte j
-  const __m512i idx = _mm512_load_si512(idx_arr), nib = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi16(0x4300);
-  for (int64_t k = 0; k < K; k += 2) {
-    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 32)));
-    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 1) * 32)));
-    const __m512i t = _mm512_permutex2var_epi8(a, idx, b);       // byte pairs (row k, row k+1) of column j
-    const __m512i lo = _mm512_and_si512(t, nib);                  // columns 0..31
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), nib);  // columns 32..63
-    BF* dst = out + (k / 2) * kBlockN * 2;
-    const __m256i parts[4] = {_mm512_castsi512_si256(lo), _mm512_extracti64x4_epi64(lo, 1),
-                              _mm512_castsi512_si256(hi), _mm512_extracti64x4_epi64(hi, 1)};
-    for (int q = 0; q < 4; ++q)  // columns 16q .. 16q + 15, as (row k, row k+1) bf16 pairs
-      _mm512_storeu_si512(dst + 32 * q, _mm512_or_si512(_mm512_cvtepu8_epi16(parts[q]), base));
-  }
-}
 
 // Tiles 0-3: C (16 rows x 16 columns fp32, the block's 4 column tiles); 4: A (16 rows x 32 bf16);
 // 5: B (16 bf16 pairs x 16 columns). All 16 rows x 64 bytes.
@@ -133,7 +113,7 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
     float* scale = scales.data();
     float* offset = scale + groups * kBlockN;
     for (int64_t nb = begin; nb < end; ++nb) {
-      codes_vnni(pp + nb * K * 32, K, w);
+      morphserve::int4_codes_vnni(pp + nb * K * 32, K, w);
       for (int64_t g = 0; g < groups; ++g) {  // the block's scales and offsets, once for all row tiles
         const BF* sz_row = szp + (g * N + nb * kBlockN) * 2;
         for (int64_t n = 0; n < kBlockN; ++n) {  // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s)

@@ -1,7 +1,7 @@
 """Which CPU matmul the quantized linears use, by the step's row count: one process-wide record.
 
-Eligible CPU INT4 weights (int4_kernel.amx_eligible) go to the engine's AMX op (engine/kernels/int4_amx.cpp)
-from `int4_min_rows` rows up, torch's `_weight_int4pack_mm_for_cpu` below; eligible CPU INT8 weights
+Eligible CPU INT4 weights (int4_kernel.amx_eligible) go to the engine's tile op from `int4_min_rows` rows up
+(engine/kernels/int4_amx.cpp with AMX, int4_avx512.cpp on an AVX512-BF16 CPU without it), torch's `_weight_int4pack_mm_for_cpu` below; eligible CPU INT8 weights
 (int8.int8_amx_eligible) to engine/kernels/int8_amx.cpp from `int8_min_rows` up, torch's
 `_weight_int8pack_mm` below. None = never the AMX op. The two kernels of a rung round differently, so
 a threshold above 1 lets a request's output depend on the step's row count (1 = exact batch invariance).
@@ -19,7 +19,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class AmxDispatch:
-    int4_min_rows: int | None = None  # rows from which eligible CPU INT4 matmuls use the AMX op; None = never
+    int4_min_rows: int | None = None  # rows from which eligible CPU INT4 matmuls use the tile op; None = never
     int8_min_rows: int | None = None  # likewise for INT8
     int4_avx2: bool = True  # eligible CPU INT4 weights (int4_kernel.avx2_eligible) use the engine's fp32 AVX2 op
     # (engine/kernels/int4_avx2.cpp) at every row count; False = torch's int4pack kernel in bf16 (benchmarks)

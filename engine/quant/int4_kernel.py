@@ -15,9 +15,10 @@ The probe hash fingerprints the CPU packing itself (a fixed code matrix packed i
 a build whose packing differs gets another key even if version and ISA agree.
 
 Which matmul reads the CPU layout (`kernel_mm(..., amx=True)` for eligible weights, see `amx_eligible`):
-torch's `_weight_int4pack_mm_for_cpu` below `int4_min_rows` rows (quant/dispatch.py), the engine's AMX op
-(engine/kernels/int4_amx.cpp, same bytes) from there up. torch's kernel has no AMX path, and from a few
-rows up it is slower than the packed bf16 linear; the AMX op turns each call's codes into bf16 once
+torch's `_weight_int4pack_mm_for_cpu` below `int4_min_rows` rows (quant/dispatch.py), the engine's tile op
+(`int4_tile_op`, same bytes) from there up: the AMX op (engine/kernels/int4_amx.cpp) on a CPU with AMX,
+else the AVX512-BF16 op (engine/kernels/int4_avx512.cpp, vdpbf16ps register tiles; e.g. AMD Zen 4). torch's kernel has no AMX path, and from a few
+rows up it is slower than the packed bf16 linear; the tile ops turn each call's codes into bf16 once
 (a byte shuffle, no float math per weight) and pads the rows to a 16-row tile, which costs more than
 torch's kernel at 1-4 rows. Both are row-invariant (a row's output does not depend on
 the other rows), but they round differently (last bf16 bit), so a request's INT4 outputs can differ
@@ -42,7 +43,7 @@ from engine.quant.int8 import KERNEL_DTYPE, kernel_works
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm kernels accept
 DEQUANT_LAYOUT = "dequant"
-_AMX_BLOCK_N = 64  # the AVX512 int4pack layout's column block, which the AMX op reads
+_AMX_BLOCK_N = 64  # the AVX512 int4pack layout's column block, which the tile ops read
 _AVX2_CHUNK_K = 512  # engine/kernels/int4_avx2.cpp: kChunkK, which the group size must divide
 
 
@@ -82,11 +83,20 @@ def _pack_codes(codes: Tensor, backend: str) -> Tensor:
 
 @functools.cache  # asked for every INT4 linear a swap builds; the answer is fixed for the process
 def amx_eligible(layout: str, n: int, k: int, group_size: int) -> bool:
-    """Whether the AMX op can read this weight: this process's AVX512 CPU layout (64-column blocks),
-    shapes it handles, and the op built and usable here (engine.kernels.int4_amx_reason says why not)."""
-    from engine.kernels import int4_amx_op  # lazy: loading the library is not needed to pack
+    """Whether the tile op (`int4_tile_op`) can read this weight: this process's AVX512 CPU layout
+    (64-column blocks), shapes it handles, and an op built and usable here (engine.kernels.int4_amx_reason /
+    int4_avx512_reason say why not)."""
     return (layout == cpu_layout() and layout.split(":")[2] == "AVX512" and n % _AMX_BLOCK_N == 0
-            and k % 2 == 0 and group_size % 2 == 0 and int4_amx_op() is not None)
+            and k % 2 == 0 and group_size % 2 == 0 and int4_tile_op() is not None)
+
+
+@functools.cache  # asked on every eligible call from int4_min_rows rows up; fixed for the process
+def int4_tile_op():
+    """The engine's INT4 op for the AVX512 int4pack layout: AMX's where the CPU has AMX-BF16, else the
+    AVX512-BF16 one; None when neither runs here."""
+    from engine.kernels import int4_amx_op, int4_avx512_op  # lazy: loading the library is not needed to pack
+    op = int4_amx_op()
+    return op if op is not None else int4_avx512_op()
 
 
 @functools.cache  # asked for every INT4 linear a swap builds; the answer is fixed for the process
@@ -113,7 +123,7 @@ def kernel_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tens
     if packed.device.type == "cpu":
         threshold = amx_dispatch().int4_min_rows
         if amx and threshold is not None and x.shape[0] >= threshold:
-            return torch.ops.morphserve.int4_amx_mm(x, packed, group_size, scales_and_zeros)
+            return int4_tile_op()(x, packed, group_size, scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
     return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
 

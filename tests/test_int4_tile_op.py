@@ -1,23 +1,26 @@
-"""The engine's INT4 AMX op (engine/kernels/int4_amx.cpp, built once by `make kernels`): numerics against
-torch's int4pack kernel on the same packed bytes, row invariance, and the row-count dispatch of Int4Linear
-and the fused INT4 call (EngineConfig.int4_amx_min_rows). Skipped, saying why, where the library is not built
-or the CPU has no AMX-BF16 (AVX2-only CPUs, other torch builds)."""
+"""The engine's INT4 tile op for the AVX512 int4pack layout (int4_kernel.int4_tile_op: engine/kernels/int4_amx.cpp
+on a CPU with AMX-BF16, int4_avx512.cpp on one with AVX512-BF16 and no AMX; built once by `make kernels`):
+numerics against torch's int4pack kernel on the same packed bytes, row invariance, and the row-count dispatch
+of Int4Linear and the fused INT4 call (EngineConfig.int4_amx_min_rows). Skipped, saying why, where the library
+is not built or the CPU has neither (AVX2-only CPUs, other torch builds)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kernels import int4_amx_op, int4_amx_reason
+from engine.kernels import int4_amx_op, int4_amx_reason, int4_avx512_op, int4_avx512_reason
 from engine.morph.actions import SwapLayer
 from engine.precision import Precision
 from engine.quant import Int4Linear, quantize_int4
 from engine.quant.fused import fuse_quantized
+from engine.quant.int4_kernel import int4_tile_op
 from engine.quant.dispatch import amx_dispatch, set_amx_dispatch, update_amx_dispatch
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
 from tests.kernel_dispatch import assert_dispatch_by_rows
 
-pytestmark = pytest.mark.skipif(int4_amx_reason() is not None, reason=f"INT4 AMX op: {int4_amx_reason()}")
+pytestmark = pytest.mark.skipif(int4_tile_op() is None,
+                                reason=f"INT4 tile op: {int4_amx_reason()}; {int4_avx512_reason()}")
 
 
 @pytest.fixture
@@ -28,13 +31,18 @@ def threshold():
     set_amx_dispatch(before)
 
 
-def test_amx_op_matches_the_int4_kernel_and_is_row_invariant(threshold):
+@pytest.mark.parametrize("name", ["amx", "avx512"])
+def test_tile_ops_match_the_int4_kernel_and_are_row_invariant(threshold, name):
+    # Each op where it runs (an AMX CPU runs both; the engine picks AMX's there).
+    op, reason = {"amx": (int4_amx_op, int4_amx_reason), "avx512": (int4_avx512_op, int4_avx512_reason)}[name]
+    if reason() is not None:
+        pytest.skip(f"INT4 {name} op: {reason()}")
     threshold(None)
     torch.manual_seed(0)
     w = torch.randn(192, 128) * 0.05
     i4 = Int4Linear(quantize_int4(w, 64))
     assert i4.amx
-    op = int4_amx_op()
+    op = op()
     x = torch.randn(130, 128).to(torch.bfloat16)
     full = op(x, i4.packed, i4.group_size, i4.scales_and_zeros)
     for m in (1, 3, 17, 130):  # 130 > one 128-row brgemm chunk
@@ -46,7 +54,7 @@ def test_amx_op_matches_the_int4_kernel_and_is_row_invariant(threshold):
 
 
 def test_linears_dispatch_by_rows(threshold):
-    """Below the threshold Int4Linear and the fused q/k/v call are torch's kernel exactly; from it up, the AMX op."""
+    """Below the threshold Int4Linear and the fused q/k/v call are torch's kernel exactly; from it up, the tile op."""
     torch.manual_seed(1)
     members = [Int4Linear(quantize_int4(torch.randn(n, 128) * 0.05, 64)) for n in (128, 64, 64)]
     x = torch.randn(17, 128).to(torch.bfloat16)
@@ -54,7 +62,7 @@ def test_linears_dispatch_by_rows(threshold):
     old = [lin(x) for lin in members]
     fused = fuse_quantized(members)
     assert fused is not None and fused.amx
-    op = int4_amx_op()
+    op = int4_tile_op()
     new = [op(x, lin.packed, lin.group_size, lin.scales_and_zeros.contiguous()) for lin in members]
     threshold(4)
     assert_dispatch_by_rows(fused, members, x, old, new)
