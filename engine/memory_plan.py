@@ -80,8 +80,11 @@ AMX_BLOCK_N, AMX_CHUNK_M = 64, 128  # engine/kernels/int4_amx.cpp: kBlockN, kChu
 
 def int4_scratch_bytes(config: EngineConfig, mc: ModelConfig, threads: int) -> int:
     """What the INT4 AMX op allocates per call while it runs, on every thread: a bf16 [K, 64] dequantized
-    column block and an fp32 [128, 64] accumulator (0 when INT4 is not on the ladder). The AVX2 op
-    (int4_avx2.cpp) needs less: an fp32 [512, 32] chunk and [K/G, 32] scales per thread."""
+    column block and an fp32 [128, 64] accumulator (0 when INT4 is not on the ladder). The AVX512-BF16 op
+    (int4_avx512.cpp) needs the same block and, in place of the accumulator, [K/G, 64] fp32 scales and
+    offsets per thread (at most as large for G >= 32), plus [rows, K/G] fp32 group sums per call, which
+    the reserve's activation rows cover many times over. The AVX2 op (int4_avx2.cpp) needs less: an fp32
+    [512, 32] chunk and [K/G, 32] scales per thread."""
     if Precision.INT4 not in config.ladder or not config.enable_morphing:
         return 0
     k = max(mc.hidden_size, mc.intermediate_size)

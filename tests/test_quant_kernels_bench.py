@@ -1,6 +1,6 @@
 """ops/bench/quant_kernels: every candidate computes the same linear (within its quantization error) and the
 report has what the publication needs; the engine's INT4 and INT8 AMX ops (built once by `make kernels`) are
-candidates where the library is built and the CPU has AMX-BF16 (else skipped, saying why; tests/test_int4_amx.py
+candidates where the library is built and the CPU has AMX-BF16 (else skipped, saying why; tests/test_int4_tile_op.py
 and tests/test_int8_amx.py test the ops themselves)."""
 from __future__ import annotations
 

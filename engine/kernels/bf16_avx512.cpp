@@ -18,12 +18,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
-#include <vector>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
+#include <utility>
+#include <vector>
 
 namespace {
 
