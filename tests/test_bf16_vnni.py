@@ -26,6 +26,14 @@ def op(request):
     return get()
 
 
+def small_group(seed: int) -> tuple[torch.Tensor, torch.Tensor, PackedGroup]:
+    """A 96 x 128 bf16 weight, its bias and their PackedGroup."""
+    torch.manual_seed(seed)
+    w = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
+    b = torch.randn(96).to(torch.bfloat16)
+    return w, b, PackedGroup(w, b)
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = x.double() @ w.double().T
     return y if b is None else y + b.double()
@@ -86,10 +94,7 @@ def test_bad_inputs_say_what_is_wrong(op):
 
 @needs_vnni
 def test_packed_group_uses_the_layout_and_round_trips_bit_identically():
-    torch.manual_seed(3)
-    w = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
-    b = torch.randn(96).to(torch.bfloat16)
-    group = PackedGroup(w, b)
+    w, b, group = small_group(3)
     assert group.layout == "vnni32"
     assert torch.equal(unpack_vnni(pack_vnni(w)), w)
     assert torch.equal(group.plain_rows(10, 40), w[10:40])
@@ -105,10 +110,7 @@ def test_packed_group_uses_the_layout_and_round_trips_bit_identically():
 def test_a_large_chunk_runs_f_linear_on_the_unpacked_weight():
     # From PLAIN_GEMM_ROWS rows the group unpacks and calls F.linear: its result exactly, the packed
     # bytes untouched, and within one bf16 rounding of the brgemm route below the threshold.
-    torch.manual_seed(11)
-    w = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
-    b = torch.randn(96).to(torch.bfloat16)
-    group = PackedGroup(w, b)
+    w, b, group = small_group(11)
     before = group.packed.clone()
     x = torch.randn(PLAIN_GEMM_ROWS, 128).to(torch.bfloat16)
     y = group(x)
@@ -132,10 +134,7 @@ def test_shapes_the_layout_cannot_hold_keep_onednn():
 @needs_vnni
 def test_packed_group_runs_the_op_this_cpu_has():
     # Where there is no AMX the group's call is the AVX512 op's, bit for bit, at decode and prefill sizes.
-    torch.manual_seed(5)
-    w = (torch.randn(96, 128) * 0.05).to(torch.bfloat16)
-    b = torch.randn(96).to(torch.bfloat16)
-    group = PackedGroup(w, b)
+    w, b, group = small_group(5)
     for rows in (1, 40, 300):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         if bf16_amx_reason() is not None:

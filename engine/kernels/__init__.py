@@ -22,7 +22,7 @@ SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "int4_avx
            HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp", HERE / "fused_elementwise.cpp", HERE / "causal_attention.cpp",
            HERE / "bf16_amx.cpp", HERE / "bf16_avx512.cpp",
            HERE / "greedy.cpp", HERE / "kv_write.cpp")
-HEADERS = (HERE / "simd_math.h", HERE / "amx_tiles.h", HERE / "int4_codes.h")  # included by the sources: a change rebuilds too
+HEADERS = (HERE / "simd_math.h", HERE / "amx_tiles.h", HERE / "int4_codes.h", HERE / "bf16_vnni.h")  # included by the sources: a change rebuilds too
 LIBRARY = HERE / "_morphserve_kernels.so"
 logger = logging.getLogger(__name__)
 _state: dict[str, object] = {}

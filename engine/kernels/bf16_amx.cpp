@@ -20,7 +20,6 @@
 #if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -30,13 +29,13 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bf16_vnni.h"
 
 namespace {
 
 using BF = at::BFloat16;
-constexpr int64_t kBlockN = 32;         // columns per packed block: two 16-column B tiles
+constexpr int64_t kBlockN = morphserve::kVnniBlockN;  // columns per packed block: two 16-column B tiles
 constexpr int64_t kStreamRows = 32;     // up to this many rows the weights are streamed once
-constexpr int64_t kChunkRows = 256;     // rows per brgemm call above that (x chunk stays in L2)
 constexpr int64_t kPrefetchSteps = 8;   // k-steps (2 KB each) ahead; measured 4-32 all within noise
 
 // Tiles 0-3: C (rows 0-15 | 16-31) x (columns 0-15 | 16-31); 4, 5: A (the two 16-row tiles); 6, 7: B.
@@ -74,17 +73,6 @@ void stream_block(const BF* x, int64_t K, const BF* w, float* c) {
   _tile_stored(3, c + 16 * kBlockN + 16, kBlockN * sizeof(float));
 }
 
-// rows [0, rows) of c ([rows][32] fp32) + bias -> bf16 columns 32 nb .. of y (ld N).
-void store_rows(const float* c, int64_t rows, const float* bias, BF* y, int64_t N) {
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int64_t m = 0; m < rows; ++m) {
-    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c + m * kBlockN), b0);
-    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(c + m * kBlockN + 16), b1);
-    _mm512_storeu_si512(y + m * N, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
 // M <= 32 rows: one pass over the weights.
 void stream_rows(const BF* x, int64_t M, int64_t K, int64_t N, const BF* w, const float* bias, BF* y) {
   std::vector<uint16_t> xbuf(kStreamRows * K);  // 32 rows, the padding zero (AMX reads whole tiles)
@@ -95,22 +83,9 @@ void stream_rows(const BF* x, int64_t M, int64_t K, int64_t N, const BF* w, cons
     alignas(64) float c[kStreamRows * kBlockN];
     for (int64_t nb = begin; nb < end; ++nb) {
       stream_block(xp, K, w + nb * K * kBlockN, c);
-      store_rows(c, M, bias ? bias + nb * kBlockN : nullptr, y + nb * kBlockN, N);
+      morphserve::vnni_store_rows(c, M, bias ? bias + nb * kBlockN : nullptr, y + nb * kBlockN, N);
     }
     _tile_release();
-  });
-}
-
-void gemm_rows(const BF* x, int64_t M, int64_t K, int64_t N, const BF* w, const float* bias, BF* y) {
-  const int64_t blocks = N / kBlockN, chunks = (M + kChunkRows - 1) / kChunkRows;
-  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(kChunkRows * kBlockN);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = (i / blocks) * kChunkRows, nb = i % blocks, rows = std::min(kChunkRows, M - m0);
-      at::native::cpublas::brgemm(rows, kBlockN, K, K, kBlockN, kBlockN, false, x + m0 * K, w + nb * K * kBlockN, c.data());
-      store_rows(c.data(), rows, bias ? bias + nb * kBlockN : nullptr, y + m0 * N + nb * kBlockN, N);
-    }
-    at::native::cpublas::brgemm_release();
   });
 }
 
@@ -137,7 +112,7 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, const 
   if (M <= kStreamRows)
     stream_rows(xp, M, K, N, wp, bp, y.data_ptr<BF>());
   else
-    gemm_rows(xp, M, K, N, wp, bp, y.data_ptr<BF>());
+    morphserve::vnni_gemm_rows(xp, M, K, N, wp, bp, y.data_ptr<BF>());
   return y;
 }
 

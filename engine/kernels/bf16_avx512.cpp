@@ -17,7 +17,6 @@
 #if defined(__AVX512BF16__)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -26,10 +25,12 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_vnni.h"
+
 namespace {
 
 using BF = at::BFloat16;
-constexpr int64_t kBlockN = 32;     // columns per packed block
+constexpr int64_t kBlockN = morphserve::kVnniBlockN;  // columns per packed block
 constexpr int64_t kTileRows = 12;   // rows per register tile: 24 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kChunkRows = 96;  // rows per work item above one tile's worth (x chunk stays in L2)
 constexpr int64_t kPrefetchPairs = 16;  // pair-rows (128 B each) ahead
@@ -66,32 +67,6 @@ void tile_rows(const BF* x, int64_t rows, int64_t K, const BF* w, float* c, std:
   ((rows == Rs + 1 ? (tile<Rs + 1>(x, K, w, c), 0) : 0), ...);
 }
 
-// rows [0, rows) of c ([rows][32] fp32) + bias -> bf16 columns 32 nb .. of y (ld N).
-void store_rows(const float* c, int64_t rows, const float* bias, BF* y, int64_t N) {
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int64_t m = 0; m < rows; ++m) {
-    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c + m * kBlockN), b0);
-    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(c + m * kBlockN + 16), b1);
-    _mm512_storeu_si512(y + m * N, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
-// M >= kGemmRows: ATen's brgemm (oneDNN's AVX512-BF16 micro-kernel, which takes the vnni32 layout as
-// its B) per (256-row chunk, block).
-void gemm_rows(const BF* x, int64_t M, int64_t K, int64_t N, const BF* w, const float* bias, BF* y) {
-  const int64_t blocks = N / kBlockN, chunks = (M + kGemmRows - 1) / kGemmRows;
-  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(kGemmRows * kBlockN);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = (i / blocks) * kGemmRows, nb = i % blocks, rows = std::min(kGemmRows, M - m0);
-      at::native::cpublas::brgemm(rows, kBlockN, K, K, kBlockN, kBlockN, false, x + m0 * K, w + nb * K * kBlockN, c.data());
-      store_rows(c.data(), rows, bias ? bias + nb * kBlockN : nullptr, y + m0 * N + nb * kBlockN, N);
-    }
-    at::native::cpublas::brgemm_release();
-  });
-}
-
 at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be bf16 [M, K] on the CPU");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -113,7 +88,7 @@ at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, con
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   BF* yp = y.data_ptr<BF>();
   if (M >= kGemmRows) {
-    gemm_rows(xp, M, K, N, wp, bp, yp);
+    morphserve::vnni_gemm_rows(xp, M, K, N, wp, bp, yp);
     return y;
   }
   // Work items chunk-major, blocks in order: a decode step (one chunk) splits the blocks between the
@@ -126,7 +101,7 @@ at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, con
       for (int64_t m = m0; m < m1; m += kTileRows) {
         const int64_t rows = std::min(kTileRows, m1 - m);
         tile_rows(xp + m * K, rows, K, wp + nb * K * kBlockN, c, std::make_integer_sequence<int, kTileRows>{});
-        store_rows(c, rows, bp ? bp + nb * kBlockN : nullptr, yp + m * N + nb * kBlockN, N);
+        morphserve::vnni_store_rows(c, rows, bp ? bp + nb * kBlockN : nullptr, yp + m * N + nb * kBlockN, N);
       }
     }
   });

@@ -114,14 +114,7 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
     float* offset = scale + groups * kBlockN;
     for (int64_t nb = begin; nb < end; ++nb) {
       morphserve::int4_codes_vnni(pp + nb * K * 32, K, w);
-      for (int64_t g = 0; g < groups; ++g) {  // the block's scales and offsets, once for all row tiles
-        const BF* sz_row = szp + (g * N + nb * kBlockN) * 2;
-        for (int64_t n = 0; n < kBlockN; ++n) {  // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s)
-          const float s = static_cast<float>(sz_row[2 * n]), zp = static_cast<float>(sz_row[2 * n + 1]);
-          scale[g * kBlockN + n] = s;
-          offset[g * kBlockN + n] = zp - 136.f * s;
-        }
-      }
+      morphserve::int4_block_scales(szp, N, nb, groups, scale, offset);  // once for all row tiles
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {  // the block's codes stay in cache across row tiles
         const int64_t mc = std::min(kTile, M - m0);
         std::fill(acc, acc + kTile * kBlockN, 0.f);

@@ -109,14 +109,7 @@ at::Tensor int4_avx512_mm(const at::Tensor& x, const at::Tensor& packed, int64_t
     alignas(64) float acc[kTileRows * kInt4BlockN];
     for (int64_t nb = begin; nb < end; ++nb) {
       morphserve::int4_codes_vnni(pp + nb * K * 32, K, w);
-      for (int64_t g = 0; g < groups; ++g) {  // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s)
-        const BF* sz_row = szp + (g * N + nb * kInt4BlockN) * 2;
-        for (int64_t n = 0; n < kInt4BlockN; ++n) {
-          const float s = static_cast<float>(sz_row[2 * n]), zp = static_cast<float>(sz_row[2 * n + 1]);
-          scale[g * kInt4BlockN + n] = s;
-          offset[g * kInt4BlockN + n] = zp - 136.f * s;
-        }
-      }
+      morphserve::int4_block_scales(szp, N, nb, groups, scale, offset);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {  // the block's codes stay in L2 across row tiles
         const int64_t rows = std::min(kTileRows, M - m0);
         std::fill(acc, acc + rows * kInt4BlockN, 0.f);

@@ -2,7 +2,7 @@
 // engine's INT4 ops that multiply with bf16 dot products (int4_amx.cpp with AMX tiles, int4_avx512.cpp
 // with vdpbf16ps). Each weight becomes 128 + code: an exact bf16 (bits 0x4300 | code: the exponent of
 // 128, the code in the low mantissa bits), so the conversion is a byte interleave, a mask and an OR, with
-// no float math per weight; the ops take the 128 back out with the group's offset.
+// no float math per weight; the ops take the 128 back out with the group's offset (int4_block_scales).
 #pragma once
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <ATen/ATen.h>
@@ -31,6 +31,20 @@ inline void int4_codes_vnni(const uint8_t* blk, int64_t K, at::BFloat16* out) {
                               _mm512_castsi512_si256(hi), _mm512_extracti64x4_epi64(hi, 1)};
     for (int q = 0; q < 4; ++q)  // columns 16q .. 16q + 15, as (row k, row k+1) bf16 pairs
       _mm512_storeu_si512(dst + 32 * q, _mm512_or_si512(_mm512_cvtepu8_epi16(parts[q]), base));
+  }
+}
+
+// The scales and offsets of one 64-column block for every group, from torch's [K/G, N, 2] (s, zp) bf16:
+// w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s), so scale = s and offset = zp - 136 s
+// ([groups][64] each), read once per block and applied to every row tile's group sums.
+inline void int4_block_scales(const at::BFloat16* sz, int64_t N, int64_t nb, int64_t groups, float* scale, float* offset) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::BFloat16* row = sz + (g * N + nb * kInt4BlockN) * 2;
+    for (int64_t n = 0; n < kInt4BlockN; ++n) {
+      const float s = static_cast<float>(row[2 * n]), zp = static_cast<float>(row[2 * n + 1]);
+      scale[g * kInt4BlockN + n] = s;
+      offset[g * kInt4BlockN + n] = zp - 136.f * s;
+    }
   }
 }
 
