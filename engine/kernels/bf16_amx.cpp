@@ -90,30 +90,14 @@ void stream_rows(const BF* x, int64_t M, int64_t K, int64_t N, const BF* w, cons
 }
 
 at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kBlockN && packed.size(3) == 2,
-              "packed must be contiguous bf16 [N/32, K/2, 32, 2] (engine/layers/packed.py)");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kBlockN;
-  TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " columns, the packed weight ", packed.size(1) * 2);
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
+  const auto c = morphserve::vnni_call(x, packed, bias);
   TORCH_CHECK(morphserve::amx_permitted(), "the kernel did not grant AMX tile state (arch_prctl)");
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "]");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const auto xc = x.contiguous();
-  const BF* xp = xc.data_ptr<BF>();
-  const BF* wp = packed.data_ptr<BF>();
-  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  if (M <= kStreamRows)
-    stream_rows(xp, M, K, N, wp, bp, y.data_ptr<BF>());
+  if (c.M == 0) return c.y;
+  if (c.M <= kStreamRows)
+    stream_rows(c.xp(), c.M, c.K, c.N, packed.data_ptr<BF>(), c.bp(), c.yp());
   else
-    morphserve::vnni_gemm_rows(xp, M, K, N, wp, bp, y.data_ptr<BF>());
-  return y;
+    morphserve::vnni_gemm_rows(c.xp(), c.M, c.K, c.N, packed.data_ptr<BF>(), c.bp(), c.yp());
+  return c.y;
 }
 
 }  // namespace

@@ -68,28 +68,16 @@ void tile_rows(const BF* x, int64_t rows, int64_t K, const BF* w, float* c, std:
 }
 
 at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be bf16 [M, K] on the CPU");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kBlockN && packed.size(3) == 2,
-              "packed must be contiguous bf16 [N/32, K/2, 32, 2] (engine/layers/packed.py)");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kBlockN;
-  TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " columns, the packed weight ", packed.size(1) * 2);
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
-  at::Tensor b32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "]");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const auto xc = x.contiguous();
-  const BF* xp = xc.data_ptr<BF>();
+  const auto c = morphserve::vnni_call(x, packed, bias);
+  const int64_t M = c.M, K = c.K, N = c.N;
+  if (M == 0) return c.y;
+  const BF* xp = c.xp();
   const BF* wp = packed.data_ptr<BF>();
-  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  BF* yp = y.data_ptr<BF>();
+  const float* bp = c.bp();
+  BF* yp = c.yp();
   if (M >= kGemmRows) {
     morphserve::vnni_gemm_rows(xp, M, K, N, wp, bp, yp);
-    return y;
+    return c.y;
   }
   // Work items chunk-major, blocks in order: a decode step (one chunk) splits the blocks between the
   // threads, each streaming its contiguous run of them.
@@ -105,7 +93,7 @@ at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, con
       }
     }
   });
-  return y;
+  return c.y;
 }
 
 }  // namespace

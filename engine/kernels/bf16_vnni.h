@@ -1,5 +1,6 @@
 // What the two bf16 linears over the vnni32 layout (bf16_amx.cpp, bf16_avx512.cpp) share: the layout's
-// block width, writing a block's fp32 results out as bf16, and the brgemm route for many rows.
+// block width, the checks of a call's operands, writing a block's fp32 results out as bf16, and the
+// brgemm route for many rows.
 //   packed layout: [N / 32][K / 2][32][2] bf16 (engine/layers/packed.py): block nb holds columns
 //   32 nb .. 32 nb + 31 as (k even, k odd) pairs, which is both AMX's B operand and vdpbf16ps's.
 #pragma once
@@ -11,12 +12,38 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace morphserve {
 
 constexpr int64_t kVnniBlockN = 32;      // columns per packed block
 constexpr int64_t kVnniGemmChunk = 256;  // rows per brgemm call (the x chunk stays in L2)
+
+// One call's operands, checked: x contiguous, the bias as fp32 (undefined when there is none), y allocated.
+struct VnniCall {
+  int64_t M, K, N;
+  at::Tensor x, bias, y;
+  const at::BFloat16* xp() const { return x.data_ptr<at::BFloat16>(); }
+  const float* bp() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  at::BFloat16* yp() const { return y.data_ptr<at::BFloat16>(); }
+};
+
+inline VnniCall vnni_call(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be bf16 [M, K] on the CPU");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kVnniBlockN && packed.size(3) == 2,
+              "packed must be contiguous bf16 [N/32, K/2, 32, 2] (engine/layers/packed.py)");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kVnniBlockN;
+  TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " columns, the packed weight ", packed.size(1) * 2);
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  return {M, K, N, x.contiguous(), b32, at::empty({M, N}, x.options())};
+}
 
 // rows [0, rows) of c ([rows][32] fp32) + bias -> bf16 columns 32 nb .. of y (ld N): the output's only
 // rounding, after the bias.
