@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any, AsyncIterator, Callable, Literal, Protocol, runtime_checkable
 
 from controller.policy_config import ModeName
@@ -19,6 +20,12 @@ from engine.logprobs import PositionLogprobs
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import StructuredOutput
 from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("morphserve.ingress")
+# Times a request whose engine replica died before answering is sent again (HandleEngineClient.generate):
+# enough for Serve's router to drop a dead replica it still listed (it learns of the death from the
+# failed call or the controller's next broadcast).
+REPLICA_LOST_RETRIES = 3
 
 ErrorKind = Literal["invalid_request", "overloaded", "dead", "internal"]
 
@@ -193,9 +200,29 @@ class HandleEngineClient:
         self._tokenizer_lock = asyncio.Lock()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        from ray.serve.exceptions import BackPressureError
+        """The replica's chunks. A request whose replica dies before it sent anything (killed, crashed,
+        or the router picked it before learning of its death) goes again, to the replicas Serve still
+        has, up to REPLICA_LOST_RETRIES times: nothing of it reached the client, and no replica holds
+        its state. One that had started streaming fails (500): its tokens so far cannot be resumed."""
+        from ray.exceptions import RayActorError
 
         self.gate.check()
+        for attempt in range(REPLICA_LOST_RETRIES + 1):
+            sent = False
+            try:
+                async for chunk in self._generate_once(request):
+                    sent = True
+                    yield chunk
+                return
+            except RayActorError as exc:
+                if sent or attempt == REPLICA_LOST_RETRIES:
+                    raise
+                logger.warning("request %s: its engine replica died before answering (%s); sending it again "
+                               "(%d of %d)", request.request_id, type(exc).__name__, attempt + 1, REPLICA_LOST_RETRIES)
+
+    async def _generate_once(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from ray.serve.exceptions import BackPressureError
+
         responses = self._handle.options(stream=True).generate.remote(request)
         finished = refused = False
         try:

@@ -19,7 +19,8 @@ from typing import Literal
 import torch
 
 # The /proc/cpuinfo flags that decide dtype and kernels (others are noise in a status record).
-CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512vbmi", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512vbmi", "avx512_bf16", "avx512_fp16",
+                         "amx_tile", "amx_bf16", "amx_int8")
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 BF16_MIN_CUDA_SM = (8, 0)
 

@@ -180,7 +180,8 @@ def test_a_killed_replica_is_forgotten_and_its_grant_goes_to_the_pressed_survivo
     # to the controller actor on a loaded machine.
     assert forgotten_after <= FLEET_ARGS["replica_timeout_s"] + 3.0, forgotten_after
     assert after["totals"]["granted_layers"] <= BUDGET and held(after) <= BUDGET
-    # Requests in flight on the killed replica fail (it died mid-stream); every other request succeeded.
+    # Requests streaming from the killed replica fail (it died mid-stream; the ingress sends again only
+    # those that had not started: HandleEngineClient.generate); every other request succeeded.
     ok = sum(1 for code, _ in results if code == 200)
     assert ok >= len(results) - 16 and ok > 0
 

@@ -280,6 +280,70 @@ def test_handle_client_cancels_the_replica_stream_when_closed_early():
     assert handle.responses[0].cancelled and engine.aborted == ["r"]
 
 
+class DyingStream(FakeResponseGenerator):
+    """A replica stream that dies (Ray's ActorDiedError) after `chunks` chunks."""
+
+    def __init__(self, agen, chunks: int):
+        super().__init__(agen, None)
+        self.left = chunks
+
+    async def __anext__(self):
+        from ray.exceptions import ActorDiedError
+
+        if self.left == 0:
+            raise ActorDiedError()
+        self.left -= 1
+        return await super().__anext__()
+
+
+class DyingHandle(FakeHandle):
+    """The first len(deaths) generate streams die after deaths[i] chunks; later ones are healthy."""
+
+    def __init__(self, replica, deaths: list[int]):
+        super().__init__(replica, stream=True)
+        self.deaths = deaths
+
+    def options(self, stream=False):
+        return self
+
+    def __getattr__(self, name):
+        fn, handle = getattr(self.replica, name), self
+
+        class Method:
+            @staticmethod
+            def remote(*args):
+                calls = len(handle.responses)
+                stream = (DyingStream(fn(*args), handle.deaths[calls]) if calls < len(handle.deaths)
+                          else FakeResponseGenerator(fn(*args), None))
+                handle.responses.append(stream)
+                return stream
+        return Method()
+
+
+def test_a_request_whose_replica_died_before_answering_goes_again():
+    from deployments.engine_client import REPLICA_LOST_RETRIES
+
+    handle = DyingHandle(FakeReplica(FakeEngine()), deaths=[0] * REPLICA_LOST_RETRIES)
+    chunks = run(drain(HandleEngineClient(handle).generate(GenerateRequest("r", (72, 105), 10))))
+    assert "".join(c.text for c in chunks) == "Hi" and chunks[-1].finish_reason == "stop"
+    assert len(handle.responses) == REPLICA_LOST_RETRIES + 1
+
+
+def test_a_request_is_not_sent_again_once_it_streamed_or_past_the_retries():
+    from ray.exceptions import RayActorError
+
+    from deployments.engine_client import REPLICA_LOST_RETRIES
+
+    started = DyingHandle(FakeReplica(FakeEngine()), deaths=[1])  # one chunk reached the client, then death
+    with pytest.raises(RayActorError):
+        run(drain(HandleEngineClient(started).generate(GenerateRequest("r", (72, 105, 33), 10))))
+    assert len(started.responses) == 1
+    dead = DyingHandle(FakeReplica(FakeEngine()), deaths=[0] * (REPLICA_LOST_RETRIES + 1))
+    with pytest.raises(RayActorError):
+        run(drain(HandleEngineClient(dead).generate(GenerateRequest("r", (72,), 4))))
+    assert len(dead.responses) == REPLICA_LOST_RETRIES + 1
+
+
 # ---- FakeEngine behaviour ----------------------------------------------------------------------
 
 def test_fake_engine_stop_strings_stop_ids_and_ignore_eos():

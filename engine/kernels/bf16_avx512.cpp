@@ -83,13 +83,13 @@ at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, con
   // threads, each streaming its contiguous run of them.
   const int64_t blocks = N / kBlockN, chunks = (M + kChunkRows - 1) / kChunkRows;
   at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kTileRows * kBlockN];
+    alignas(64) float acc[kTileRows * kBlockN];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = (i / blocks) * kChunkRows, nb = i % blocks, m1 = std::min(M, m0 + kChunkRows);
       for (int64_t m = m0; m < m1; m += kTileRows) {
         const int64_t rows = std::min(kTileRows, m1 - m);
-        tile_rows(xp + m * K, rows, K, wp + nb * K * kBlockN, c, std::make_integer_sequence<int, kTileRows>{});
-        morphserve::vnni_store_rows(c, rows, bp ? bp + nb * kBlockN : nullptr, yp + m * N + nb * kBlockN, N);
+        tile_rows(xp + m * K, rows, K, wp + nb * K * kBlockN, acc, std::make_integer_sequence<int, kTileRows>{});
+        morphserve::vnni_store_rows(acc, rows, bp ? bp + nb * kBlockN : nullptr, yp + m * N + nb * kBlockN, N);
       }
     }
   });
