@@ -223,6 +223,10 @@ class FakeHandle:
         clone.responses = self.responses
         return clone
 
+    def stream_for(self, agen):
+        """The response generator of the next streaming call (DyingHandle scripts deaths here)."""
+        return FakeResponseGenerator(agen, self.reject)
+
     def __getattr__(self, name):
         fn, handle = getattr(self.replica, name), self
 
@@ -230,7 +234,7 @@ class FakeHandle:
             @staticmethod
             def remote(*args):
                 if handle.stream:
-                    handle.responses.append(FakeResponseGenerator(fn(*args), handle.reject))
+                    handle.responses.append(handle.stream_for(fn(*args)))
                     return handle.responses[-1]
 
                 async def call():
@@ -306,18 +310,9 @@ class DyingHandle(FakeHandle):
     def options(self, stream=False):
         return self
 
-    def __getattr__(self, name):
-        fn, handle = getattr(self.replica, name), self
-
-        class Method:
-            @staticmethod
-            def remote(*args):
-                calls = len(handle.responses)
-                stream = (DyingStream(fn(*args), handle.deaths[calls]) if calls < len(handle.deaths)
-                          else FakeResponseGenerator(fn(*args), None))
-                handle.responses.append(stream)
-                return stream
-        return Method()
+    def stream_for(self, agen):
+        calls = len(self.responses)
+        return DyingStream(agen, self.deaths[calls]) if calls < len(self.deaths) else super().stream_for(agen)
 
 
 def test_a_request_whose_replica_died_before_answering_goes_again():

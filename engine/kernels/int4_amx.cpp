@@ -35,7 +35,7 @@
 
 namespace {
 
-constexpr int64_t kBlockN = 64;  // the CPU int4pack layout's column block (AVX512): 4 tiles of 16 columns
+constexpr int64_t kBlockN = morphserve::kInt4BlockN;  // the int4pack layout's column block: 4 tiles of 16 columns
 constexpr int64_t kTile = 16;    // rows of an A / C tile; bf16 pairs (32 k values) per B tile
 
 using BF = at::BFloat16;
@@ -92,15 +92,8 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, int64_t gr
   std::vector<uint16_t> xbuf(Mp * K);
   std::memcpy(xbuf.data(), xc.data_ptr<BF>(), M * K * sizeof(BF));
   const BF* xpad = reinterpret_cast<const BF*>(xbuf.data());
-  std::vector<float> xsum(Mp * groups, 0.f);  // X_g[m], fp32 sums of the bf16 inputs
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      const BF* row = xpad + m * K + g * G;
-      for (int64_t k = 0; k < G; k += 16)
-        acc = _mm512_add_ps(acc, morphserve::load_bf16(row + k));
-      xsum[m * groups + g] = _mm512_reduce_add_ps(acc);
-    }
+  std::vector<float> xsum(Mp * groups, 0.f);  // X_g[m] (padding rows 0)
+  morphserve::int4_group_sums(xpad, M, K, G, xsum.data());
   const auto* pp = packed.data_ptr<uint8_t>();
   const auto* szp = sz.data_ptr<BF>();
   auto* yp = y.data_ptr<BF>();

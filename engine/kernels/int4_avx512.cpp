@@ -83,19 +83,15 @@ at::Tensor int4_avx512_mm(const at::Tensor& x, const at::Tensor& packed, int64_t
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == N * K / 2 && packed.is_contiguous(),
               "packed must be int4pack uint8 [N, K/2]");
   TORCH_CHECK(group_size > 0 && sz.size(0) * group_size == K, "x has ", K, " columns, the weight ", sz.size(0) * group_size);
-  TORCH_CHECK(N % kInt4BlockN == 0 && group_size % 2 == 0, "unsupported shape: N must be a multiple of 64, the group size even");
+  TORCH_CHECK(N % kInt4BlockN == 0 && group_size % 16 == 0,
+              "unsupported shape: N must be a multiple of 64, the group size a multiple of 16");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const int64_t G = group_size, groups = K / G;
   const auto xc = x.contiguous();
   const BF* xp = xc.data_ptr<BF>();
-  std::vector<float> xsum(M * groups);  // X_g[m], fp32 sums of the bf16 inputs, in k order
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) s += static_cast<float>(xp[m * K + k]);
-      xsum[m * groups + g] = s;
-    }
+  std::vector<float> xsum(M * groups);  // X_g[m]
+  morphserve::int4_group_sums(xp, M, K, G, xsum.data());
   const auto* pp = packed.data_ptr<uint8_t>();
   const auto* szp = sz.data_ptr<BF>();
   auto* yp = y.data_ptr<BF>();

@@ -34,6 +34,21 @@ inline void int4_codes_vnni(const uint8_t* blk, int64_t K, at::BFloat16* out) {
   }
 }
 
+// X_g[m] = sum_{k in g} x[m][k] for rows [0, M) of x (ld K), groups of G (a multiple of 16) -> out
+// [M][K/G], fp32 sums of the bf16 inputs (the offset term of every group's share of y[m]).
+inline void int4_group_sums(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, float* out) {
+  const int64_t groups = K / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      const auto* row = reinterpret_cast<const uint16_t*>(x + m * K + g * G);
+      for (int64_t k = 0; k < G; k += 16)  // 16 bf16 -> fp32, exact: bf16 is fp32's top half
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k))), 16)));
+      out[m * groups + g] = _mm512_reduce_add_ps(acc);
+    }
+}
+
 // The scales and offsets of one 64-column block for every group, from torch's [K/G, N, 2] (s, zp) bf16:
 // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s), so scale = s and offset = zp - 136 s
 // ([groups][64] each), read once per block and applied to every row tile's group sums.

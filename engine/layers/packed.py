@@ -37,6 +37,7 @@ DenseLinear and F.linear.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -65,11 +66,18 @@ def vnni_layout_fits(weight: Tensor) -> bool:
             and in_f % VNNI_BLOCK == 0 and vnni_op() is not None)
 
 
-def vnni_op():
-    """The op that runs vnni32 groups here: AMX's where the CPU has AMX-BF16, else the AVX512-BF16 one;
-    None when neither can run (then groups take oneDNN's layout)."""
+@functools.cache  # fixed for the process; asked on every vnni32 call
+def _vnni_route() -> tuple[object | None, int | None]:
+    """(the op that runs vnni32 groups here, rows from which a call unpacks and runs F.linear instead):
+    AMX's op with `PLAIN_GEMM_ROWS` where the CPU has AMX-BF16, else the AVX512-BF16 one, which stays
+    the faster route at any row count (brgemm from 256 rows); (None, None) when neither can run."""
     amx = bf16_amx_op()
-    return amx if amx is not None else bf16_avx512_op()
+    return (amx, PLAIN_GEMM_ROWS) if amx is not None else (bf16_avx512_op(), None)
+
+
+def vnni_op():
+    """The op that runs vnni32 groups here, or None (then groups take oneDNN's layout)."""
+    return _vnni_route()[0]
 
 
 def pack_vnni(weight: Tensor) -> Tensor:
@@ -144,12 +152,10 @@ class PackedGroup:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.layout == "vnni32":
-            amx = bf16_amx_op()
-            if amx is None:
-                return bf16_avx512_op()(x, self.packed, self.bias)
-            if x.dim() == 2 and x.shape[0] >= PLAIN_GEMM_ROWS:
+            op, unpack_from = _vnni_route()
+            if unpack_from is not None and x.dim() == 2 and x.shape[0] >= unpack_from:
                 return F.linear(x, unpack_vnni(self.packed), self.bias)
-            return amx(x, self.packed, self.bias)
+            return op(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def plain_rows(self, start: int, stop: int) -> Tensor:

@@ -87,7 +87,7 @@ def amx_eligible(layout: str, n: int, k: int, group_size: int) -> bool:
     (64-column blocks), shapes it handles, and an op built and usable here (engine.kernels.int4_amx_reason /
     int4_avx512_reason say why not)."""
     return (layout == cpu_layout() and layout.split(":")[2] == "AVX512" and n % _AMX_BLOCK_N == 0
-            and k % 2 == 0 and group_size % 2 == 0 and int4_tile_op() is not None)
+            and k % 2 == 0 and group_size % 32 == 0 and int4_tile_op() is not None)  # the AMX op: whole 32-k tiles
 
 
 @functools.cache  # asked on every eligible call from int4_min_rows rows up; fixed for the process
