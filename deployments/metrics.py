@@ -170,6 +170,8 @@ class ServeMetrics:
         self.running = b.gauge(PREFIX + "num_requests_running", "Requests being processed", m)
         self.waiting = b.gauge(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled", m)
         self.queue_delay = b.gauge(PREFIX + "queue_delay_seconds", "Wait of the oldest waiting request", m)
+        self.prefill_backlog = b.gauge(PREFIX + "prefill_backlog_tokens",
+                                       "Prompt tokens waiting and running requests have not prefilled yet", m)
         self.kv_usage = b.gauge(PREFIX + "kv_cache_usage_perc", "Used / committed KV blocks (0..1)", m)
         self.kv_capacity = b.gauge(PREFIX + "kv_cache_capacity_blocks", "Committed KV blocks", m)
         self.quantized = b.gauge(PREFIX + "quantized_layers", "Layers held at a lower precision", m + ("precision",))
@@ -220,6 +222,7 @@ class ServeMetrics:
         self.running.set(snapshot.num_running, self._t())
         self.waiting.set(snapshot.num_waiting, self._t())
         self.queue_delay.set(snapshot.queue_delay_s, self._t())
+        self.prefill_backlog.set(snapshot.prefill_backlog_tokens, self._t())
         self.kv_usage.set(snapshot.kv_usage, self._t())
         self.kv_capacity.set(snapshot.kv_capacity_blocks, self._t())
         ledger = snapshot.ledger

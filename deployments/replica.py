@@ -233,7 +233,8 @@ class LLMServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the pressure-aware router (deployments/router.py) reads: the KV blocks a new request
-        may take now (free, less what running requests are owed and what the queue needs). `taken_at` is
+        may take now (free, less what running requests are owed and what the queue needs) and the prompt
+        tokens a new request's first token waits behind. `taken_at` is
         the wall-clock time of the step boundary the snapshot describes (it can be a long step old): the
         router counts every request it sent after that as not yet in these figures."""
         snapshot = self.engine.pressure()
@@ -244,7 +245,8 @@ class LLMServer:
                            num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=taken_at,
                            reservation_tokens=snapshot.reservation_tokens,
                            num_quantized=self.engine.morph_state().num_quantized,
-                           morph_blocks=max(0, snapshot.kv_capacity_blocks - self.engine.base_kv_blocks)).to_stats()
+                           morph_blocks=max(0, snapshot.kv_capacity_blocks - self.engine.base_kv_blocks),
+                           prefill_tokens=snapshot.prefill_backlog_tokens).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.

@@ -1,4 +1,4 @@
-"""PressureAwareRouter: Ray Serve's request router for the engine replicas, by queue length and KV room.
+"""PressureAwareRouter: Ray Serve's request router for the engine replicas, by prefill backlog, queue length and KV room.
 
 Ray Serve 2.60's custom request-router API: a deployment names a `RequestRouter` subclass in its
 `request_router_config`; every DeploymentHandle to it (here: the ingress's) routes each request by
@@ -10,12 +10,14 @@ replica's `record_routing_stats()` (LLMServer) is pulled by Serve every
 A replica's stats are its latest pressure figures: the KV blocks a new request may take (free blocks
 net of demand: less what running requests are still owed inside their output reservation and what
 the waiting queue needs, engine/demand.py), how many of those its morph added (capacity now less
-the capacity at full precision), waiting requests, block size, output reservation, the layers it
-holds quantized, and the wall-clock time of the step boundary they describe. A request needs the
-blocks admission reserves for it: its prompt plus the output reservation (capped by its max_tokens).
-The router subtracts the blocks of the requests it has itself sent there since that time (its
-in-flight count; a fresh report resets it, as the report then includes them), so a burst does not
-all land on the replica that looked emptiest at the last report. Each replica then falls in a class:
+the capacity at full precision), waiting requests, the prompt tokens it has yet to prefill (its
+prefill backlog), block size, output reservation, the layers it holds quantized, and the wall-clock
+time of the step boundary they describe. A request needs the blocks admission reserves for it: its
+prompt plus the output reservation (capped by its max_tokens). The router counts the requests it has
+itself sent there since that time (its in-flight record: their blocks come off the headroom, their
+prompts onto the backlog; a fresh report resets it, as the report then includes them), so a burst
+does not all land on the replica that looked emptiest at the last report. Each replica then falls in
+a class:
 
     fits:         nothing waiting there and the request fits in the room it would have at full
                   precision (headroom less its morph's blocks): no morph, and no restore delayed
@@ -24,13 +26,17 @@ all land on the replica that looked emptiest at the last report. Each replica th
     no_fit:       it waits or makes the replica morph (admission morphing reacts at once, so the cost
                   is mostly quality: quantized layer-seconds)
 
-and its cost is its queue length (Serve's queue-length cache: every send and completion updates it)
-plus the class's penalty in queued requests (0, `morphed_penalty`, `no_fit_penalty`; both 0 by
-default, so the class only breaks ties). Replicas are listed one per rank, cheapest first (on equal
-cost: the better class, then more room at full precision), and Serve sends to the first whose queue
-is not full.
+Replicas are listed one per rank, cheapest first, and Serve sends to the first whose queue is not
+full. While any replica reports a prefill backlog (a burst), cheapest is the least backlog (reported +
+the prompts sent there since); otherwise, and on equal backlog, the least cost = queue length (Serve's queue-length cache: every send and completion
+updates it) plus the class's penalty in queued requests (0, `morphed_penalty`, `no_fit_penalty`; both
+0 by default, so the class only breaks ties); then the better class, then more room at full precision.
 
-Why queue length first and KV only as a tie-break: TTFT and TPOT follow how many requests share a
+Why the prefill backlog first: a request's first token waits for every prompt token queued ahead of
+it on that replica, so in a burst TTFT (the SLO) follows the backlog, not the count of requests (a
+replica decoding six short answers is nearer a new request's first token than one about to prefill
+two 256-token prompts); when nothing waits, the backlog is 0 everywhere and queue length decides.
+Why queue length before KV: TTFT and TPOT follow how many requests share a
 replica's steps, and admission morphing makes a request that does not fit wait ~0 ms; a KV filter
 that overrides the queue (the first version) piled bursts onto one replica (busiest share 0.53 vs
 0.51, TPOT P50 +17% in the wave-7 fleet benchmark), and penalties of 1 and 2 queued requests still
@@ -75,6 +81,7 @@ class ReplicaLoad:
     reservation_tokens: int = 0  # output tokens admission reserves per request (engine/demand.py)
     num_quantized: int = 0  # layers it holds quantized now
     morph_blocks: int = 0  # KV blocks its morph added (capacity now less at full precision); a restore takes them
+    prefill_tokens: int = 0  # prompt tokens it has yet to prefill (engine/demand.py): what a new request's TTFT waits behind
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
@@ -91,9 +98,17 @@ class ReplicaLoad:
         try:
             return cls(int(stats["free_blocks"]), int(stats["num_waiting"]), max(1, int(stats["block_size"])),
                        float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)),
-                       int(stats.get("num_quantized", 0)), max(0, int(stats.get("morph_blocks", 0))))
+                       int(stats.get("num_quantized", 0)), max(0, int(stats.get("morph_blocks", 0))),
+                       max(0, int(stats.get("prefill_tokens", 0))))
         except (KeyError, TypeError, ValueError):
             return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """What the requests this router sent to a replica will need there: KV blocks, prompt tokens."""
+    blocks: int = 0
+    tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,41 +136,49 @@ def fit_class(load: ReplicaLoad, headroom: int, need: int) -> FitClass:
 
 
 def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Hashable, int | None],
-                  prompt_tokens: int, sent_blocks: dict[Hashable, int], now: float, stale_after_s: float,
+                  prompt_tokens: int, sent: dict[Hashable, Sent], now: float, stale_after_s: float,
                   max_tokens: int | None = None, penalties: Penalties = Penalties()) -> tuple[Decision, list[Hashable]]:
-    """Pure: (the chosen replica's fit class, every replica cheapest first), cost = queue length + the
-    class's penalty, ties to the better class, then more room at full precision; ("stale", []) when any
-    load is missing or older than `stale_after_s`, ("no_queue_len", []) when any queue length is unknown.
-    `sent_blocks`: blocks this router sent to each replica after its stats were taken."""
+    """Pure: (the chosen replica's fit class, every replica cheapest first). Cheapest = while any replica
+    reports a prefill backlog, the least backlog (its stats' prompt tokens yet to prefill + the prompts
+    sent there since); then cost = queue length + the class's penalty, then the better class, then more
+    room at full precision; ("stale", [])
+    when any load is missing or older than `stale_after_s`, ("no_queue_len", []) when any queue length
+    is unknown. `sent`: what this router sent to each replica after its stats were taken."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
         return "stale", []
     if any(queue_lens.get(rid) is None for rid in loads):
         return "no_queue_len", []
-    headroom = {rid: load.free_blocks - sent_blocks.get(rid, 0) for rid, load in loads.items()}
+    nothing = Sent()
+    headroom = {rid: load.free_blocks - sent.get(rid, nothing).blocks for rid, load in loads.items()}
+    # Prompts sent since a report count only while some replica reports a backlog: else a prompt sent
+    # 0.4 s ago, long prefilled, would still weigh until the next report.
+    bursting = any(load.prefill_tokens > 0 for load in loads.values())
+    backlog = {rid: load.prefill_tokens + sent.get(rid, nothing).tokens if bursting else 0 for rid, load in loads.items()}
     fits = {rid: fit_class(load, headroom[rid], max(1, load.blocks_for(prompt_tokens, max_tokens)))
             for rid, load in loads.items()}
-    order = sorted(loads, key=lambda rid: (queue_lens[rid] + penalties.of(fits[rid]), FIT_CLASSES.index(fits[rid]),
-                                           -(headroom[rid] - loads[rid].morph_blocks)))
+    order = sorted(loads, key=lambda rid: (backlog[rid], queue_lens[rid] + penalties.of(fits[rid]),
+                                           FIT_CLASSES.index(fits[rid]), -(headroom[rid] - loads[rid].morph_blocks)))
     return fits[order[0]], order
 
 
 class InFlight:
-    """The blocks this router sent to each replica, by when (router wall clock), kept for `keep_s`:
-    those sent after a replica's stats were taken are not in them yet."""
+    """What this router sent to each replica, by when (router wall clock), kept for `keep_s`: requests
+    sent after a replica's stats were taken are not in them yet."""
 
     def __init__(self, keep_s: float):
         self.keep_s = keep_s
-        self._sent: dict[Hashable, collections.deque[tuple[float, int]]] = collections.defaultdict(collections.deque)
+        self._sent: dict[Hashable, collections.deque[tuple[float, Sent]]] = collections.defaultdict(collections.deque)
 
-    def record(self, replica_id: Hashable, at: float, blocks: int) -> None:
-        sent = self._sent[replica_id]
-        sent.append((at, blocks))
-        while sent and at - sent[0][0] > self.keep_s:  # older than any stats the router would still use
-            sent.popleft()
+    def record(self, replica_id: Hashable, at: float, sent: Sent) -> None:
+        queue = self._sent[replica_id]
+        queue.append((at, sent))
+        while queue and at - queue[0][0] > self.keep_s:  # older than any stats the router would still use
+            queue.popleft()
 
-    def since(self, replica_id: Hashable, taken_at: float) -> int:
-        """Blocks sent there after `taken_at`: a fresh report resets this to what followed it."""
-        return sum(blocks for at, blocks in self._sent.get(replica_id, ()) if at >= taken_at)
+    def since(self, replica_id: Hashable, taken_at: float) -> Sent:
+        """The sum sent there after `taken_at`: a fresh report resets this to what followed it."""
+        after = [sent for at, sent in self._sent.get(replica_id, ()) if at >= taken_at]
+        return Sent(sum(s.blocks for s in after), sum(s.tokens for s in after))
 
 
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
@@ -194,7 +217,8 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         load = ReplicaLoad.from_stats(stats.routing_stats) if stats is not None else None
         if load is None:
             return
-        self._in_flight.record(replica_id, time.time(), load.blocks_for(len(request.prompt_token_ids), request.max_tokens))
+        prompt = len(request.prompt_token_ids)
+        self._in_flight.record(replica_id, time.time(), Sent(load.blocks_for(prompt, request.max_tokens), prompt))
 
     def _count(self, decision: Decision) -> None:
         try:

@@ -11,7 +11,8 @@ reservation of `reservation_tokens`, capped by its max_tokens:
     to finish:       blocks_for(prompt + max_tokens) - held (the upper bound, reported only)
 
 `available = free - running reserved growth` is what the head of the queue may take without
-squeezing a running request into preemption. Pure functions of the sequences and block tables.
+squeezing a running request into preemption. The prefill backlog (tokens not yet in the cache) is what
+a new request's first token waits behind. Pure functions of the sequences and block tables.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Demand:
     running_finish_blocks: int  # blocks running requests still need to reach max_tokens
     free_blocks: int  # committed and unused
     admissible_now: int = 1  # waiting requests (FCFS prefix) the next step's token budget and seat count could take
+    prefill_backlog_tokens: int = 0  # prompt tokens not yet in the cache, waiting and running requests (a new request's TTFT queues behind them)
 
     @property
     def waiting_total_blocks(self) -> int:
@@ -82,4 +84,12 @@ def measure_demand(waiting: Iterable[Sequence], running: Iterable[Sequence], kv:
         finish += max(0, kv.blocks_for(s.num_prompt_tokens + s.params.max_tokens) - held)
     return Demand(waiting_blocks=tuple(max(0, b) for b in queue), running_reserved_blocks=reserved,
                   running_finish_blocks=finish, free_blocks=kv.num_free_blocks,
-                  admissible_now=admissible_now(waiting, running, token_budget, max_seqs))
+                  admissible_now=admissible_now(waiting, running, token_budget, max_seqs),
+                  prefill_backlog_tokens=prefill_backlog(waiting, running))
+
+
+def prefill_backlog(waiting: list[Sequence], running: list[Sequence]) -> int:
+    """Tokens the engine must prefill before it reaches a request arriving now: everything queued, and
+    what running requests have left of their prompts (a decoding request's one uncomputed token is
+    its next step, not backlog)."""
+    return sum(s.num_uncomputed_tokens for s in waiting) + sum(max(0, s.num_uncomputed_tokens - 1) for s in running)

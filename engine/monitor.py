@@ -71,6 +71,7 @@ class PressureMonitor:
             head_demand_blocks=demand.waiting_blocks[0] if demand.waiting_blocks else 0,
             running_reserved_blocks=demand.running_reserved_blocks,
             running_finish_blocks=demand.running_finish_blocks, reservation_tokens=tokens,
+            prefill_backlog_tokens=demand.prefill_backlog_tokens,
             rung_gain_blocks=adm.rung_gain_blocks() if adm is not None else (),
             ttft_recent_p95_s=_quantile(self._ttfts.values(), 0.95),
             head_blocked_since=adm.blocked_since if adm is not None else None,

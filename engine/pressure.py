@@ -42,6 +42,7 @@ class PressureSnapshot:
     running_reserved_blocks: int = 0  # blocks running requests still need inside their output reservation
     running_finish_blocks: int = 0  # blocks running requests still need to reach their max_tokens
     reservation_tokens: int = 0  # the output reservation these figures used
+    prefill_backlog_tokens: int = 0  # prompt tokens waiting and running requests have not prefilled yet
     rung_gain_blocks: tuple[tuple[str, int], ...] = ()  # (rung, KV blocks one more layer at that rung frees)
     ttft_recent_p95_s: float | None = None  # 95th percentile TTFT over the window
     # -- admission-time morphing (engine/morph/admission.py) ----------------------------------

@@ -77,6 +77,7 @@ def test_admission_swaps_exactly_the_layers_the_queue_deficit_needs(tiny_model_d
     before = engine.pressure()
     assert (before.waiting_demand_blocks, before.head_demand_blocks, before.waiting_for) == (135, 27, "compute")
     assert dict(before.rung_gain_blocks) == {"int8": 26, "int4": 31}
+    assert before.prefill_backlog_tokens == 5 * 100  # every prompt waits to be prefilled
     engine.step()  # one step: the swap happens at its boundary, then all five are admitted
     state = engine.morph_state()
     assert state.num_quantized == layers and state.count(precision) == layers
@@ -87,6 +88,8 @@ def test_admission_swaps_exactly_the_layers_the_queue_deficit_needs(tiny_model_d
         "swap", 0, layers, 135 - kv_blocks, 5)
     snap = engine.pressure()
     assert (snap.admission_swaps_total, snap.admission_layers_total) == (1, layers)
+    # All five prompts fit the step's token budget: nothing is left to prefill (decoding is not backlog).
+    assert snap.prefill_backlog_tokens == 0 and all(s.num_computed_tokens >= 100 for s in engine.scheduler.running)
     (wait,) = engine.admission.waits  # the swap ended the wait at the same boundary: reaction = swap time
     assert wait.swaps == 1 and not wait.capped and 0 <= wait.end - wait.start < 5.0
     assert wait.start == event.blocked_since and snap.head_blocked_since is None

@@ -17,6 +17,7 @@ from ops.bench.goals import goal_lines
 from ops.bench.served_quality import parse_label
 from ops.bench.metrics import spread
 from ops.bench.run_all import bench_config, parse_args
+from ops.bench.process_cpu import CpuAccount, role_of
 from ops.bench.server_process import ServerProcess, ServerStartError, free_port, session_pids
 from ops.bench.systems import (ALL_SYSTEMS, FLEET_BASELINE, FLEET_PRESSURE, MIB, QUICK_SYSTEMS, STATIC_FP, STATIC_INT4,
                                VLLM, ModelFacts, fleet_note, fleet_switches_available, fleet_systems,
@@ -289,3 +290,26 @@ def test_the_fleet_probe_keeps_every_replica_saturated():
     single, fleet = bench_config(parse_args([])), bench_config(parse_args(["--fleet"]))
     assert fleet.probe.concurrency == FLEET_REPLICAS * single.probe.concurrency
     assert fleet.probe.num_requests == FLEET_REPLICAS * single.probe.num_requests
+
+
+def test_cpu_account_counts_each_role_of_the_session(tmp_path):
+    """A child titled like Ray's fleet controller burns CPU until a file appears; its seconds land under
+    `controller`, the idle parent's near zero under `other`."""
+    stop = tmp_path / "stop"
+    burner = (f"import pathlib\nwhile not pathlib.Path({str(stop)!r}).exists():\n    sum(range(10000))\n")
+    script = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, '-c', {burner!r}, 'ray::Fleet' + 'Controller'])\n"  # not in this cmdline
+              "time.sleep(120)\n")
+    assert role_of("ray::ServeReplica:default:LLMServer") == "engine"
+    assert role_of("/usr/bin/python something") == "other"
+    with ServerProcess([sys.executable, "-c", script], tmp_path / "log.txt") as server:
+        account = CpuAccount(server.proc.pid)
+        account.start()
+        deadline = time.monotonic() + 30
+        spent: dict[str, float] = {}
+        while spent.get("controller", 0.0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling until the burner has used some CPU, not a timing assumption
+            spent = account.stop()
+        stop.touch()
+    assert spent.get("controller", 0.0) >= 0.3
+    assert "other" in spent and spent["other"] < spent["controller"]  # the parent, counted apart

@@ -424,7 +424,8 @@ def _snapshot(preemptions: int, kv_used: int = 30):
     ledger = LedgerFigures(budget=1000, weights=600, kv=300, reserve=50)
     return PressureSnapshot(time=0.0, step=1, kv_used_blocks=kv_used, kv_capacity_blocks=40, kv_max_blocks=64,
                             num_running=3, num_waiting=2, queue_delay_s=0.25, ttft_recent_s=None,
-                            tpot_recent_s=None, throughput_tok_s=0.0, preemptions_total=preemptions, ledger=ledger)
+                            tpot_recent_s=None, throughput_tok_s=0.0, preemptions_total=preemptions, ledger=ledger,
+                            prefill_backlog_tokens=120)
 
 
 def test_pressure_gauges_and_preemption_counter(backend):
@@ -436,6 +437,7 @@ def test_pressure_gauges_and_preemption_counter(backend):
     assert m["morphserve_kv_cache_usage_perc"].value(**tags) == 30 / 40
     assert m["morphserve_num_requests_waiting"].value(**tags) == 2
     assert m["morphserve_queue_delay_seconds"].value(**tags) == 0.25
+    assert m["morphserve_prefill_backlog_tokens"].value(**tags) == 120
     assert m["morphserve_memory_bytes"].value(kind="weights", **tags) == 600
     assert m["morphserve_memory_bytes"].value(kind="budget", **tags) == 1000
 

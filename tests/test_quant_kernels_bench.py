@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from engine.kernels import int4_amx_reason, int8_amx_reason
+from engine.quant.int4_kernel import int4_tile_op
 from ops.bench import quant_kernels as qk
 
 SMALL = [(128, 192)]  # in x out: 2 groups of 64, 3 column blocks of 64
+ENGINE = {"bf16_engine"} | ({"int4_tile"} if int4_tile_op() is not None else set())  # the engine's own paths
 _no_amx = int4_amx_reason() or int8_amx_reason()
 needs_amx = pytest.mark.skipif(_no_amx is not None, reason=f"AMX ops: {_no_amx}")
 needs_bf16 = pytest.mark.skipif(qk.baseline_reason() is not None, reason=f"{qk.baseline_reason()}")
@@ -23,8 +25,8 @@ def _check_cells(cells: list[dict], names: set[str]) -> None:
         err = cell["rel_error"]
         assert err[qk.BASELINE] < 0.01 and err.get("bf16_plain", 0.0) < 0.01
         assert err.get("int8_pack_mm", 0.0) < 0.03 and err.get("int8_onednn_dynamic", 0.0) < 0.05
-        assert err.get("int8_amx", 0.0) < 0.03
-        for name in names - {qk.BASELINE, "bf16_plain", "int8_pack_mm", "int8_onednn_dynamic", "int8_amx"}:
+        assert err.get("int8_amx", 0.0) < 0.03 and err.get("bf16_engine", 0.0) < 0.01
+        for name in names - {qk.BASELINE, "bf16_plain", "bf16_engine", "int8_pack_mm", "int8_onednn_dynamic", "int8_amx"}:
             assert err[name] < 0.25, (name, err[name])  # INT4 RTN on Gaussian weights: ~0.1
 
 
@@ -34,7 +36,7 @@ def test_candidates_agree_and_report_ratios():
     cells = qk.run([1, 5], rounds=2, inner=1, copies=2, amx=False, shapes=SMALL)
     assert [(c["in"], c["out"], c["rows"]) for c in cells] == [(128, 192, 1), (128, 192, 5)]
     _check_cells(cells, {qk.BASELINE, "bf16_plain", "int4_tinygemm", "int4_tinygemm_g32", "int8_pack_mm",
-                         "int4_dequant_linear", "int8_onednn_dynamic"})
+                         "int4_dequant_linear", "int8_onednn_dynamic"} | ENGINE)
 
 
 @needs_amx
@@ -43,7 +45,7 @@ def test_amx_candidate_is_timed_and_agrees():
     torch.manual_seed(0)
     cells = qk.run([3], rounds=1, inner=1, copies=1, amx=True, shapes=SMALL)
     _check_cells(cells, {qk.BASELINE, "bf16_plain", "int4_tinygemm", "int4_tinygemm_g32", "int8_pack_mm",
-                         "int4_dequant_linear", "int8_onednn_dynamic", "int4_amx", "int8_amx"})
+                         "int4_dequant_linear", "int8_onednn_dynamic", "int4_amx", "int8_amx"} | ENGINE)
 
 
 @needs_bf16

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.router import InFlight, Penalties, ReplicaLoad, fit_class, rank_replicas
+from deployments.router import InFlight, Penalties, ReplicaLoad, Sent, fit_class, rank_replicas
 
 NOW = 1000.0
 
 
-def load(free: int, waiting: int = 0, age: float = 0.1, quantized: int = 0, morph_blocks: int = 0) -> ReplicaLoad:
+def load(free: int, waiting: int = 0, age: float = 0.1, quantized: int = 0, morph_blocks: int = 0,
+         prefill: int = 0) -> ReplicaLoad:
     return ReplicaLoad(free_blocks=free, num_waiting=waiting, block_size=16, taken_at=NOW - age,
-                       num_quantized=quantized, morph_blocks=morph_blocks)
+                       num_quantized=quantized, morph_blocks=morph_blocks, prefill_tokens=prefill)
 
 
 PENALIZED = Penalties(morphed=1, no_fit=2)  # an operator's router_*_penalty settings (the defaults are 0)
@@ -58,10 +59,23 @@ def test_requests_waiting_there_make_it_no_fit_whatever_its_room():
 
 
 def test_blocks_already_sent_since_the_stats_count_against_a_replica():
-    assert rank({"a": load(20), "b": load(10)}, {"a": 0, "b": 0}, sent={"a": 18}) == ("fits", ["b", "a"])
+    assert rank({"a": load(20), "b": load(10)}, {"a": 0, "b": 0}, sent={"a": Sent(18, 200)}) == ("fits", ["b", "a"])
     # A fresh report (taken after those sends) includes them: nothing is subtracted any more; on equal
     # cost and class the one with more room at full precision comes first.
     assert rank({"a": load(20), "b": load(10)}, {"a": 0, "b": 0}) == ("fits", ["a", "b"])
+
+
+def test_in_a_burst_the_least_prefill_backlog_wins_over_a_shorter_queue():
+    # "decoding" runs 5 requests with nothing left to prefill; "prefilling" holds 2 with 400 prompt
+    # tokens to go: a new request's first token comes sooner on "decoding".
+    loads = {"decoding": load(20), "prefilling": load(20, prefill=400)}
+    assert rank(loads, {"decoding": 5, "prefilling": 2})[1] == ["decoding", "prefilling"]
+    # Prompts sent since the reports count too: 500 tokens sent to "decoding" put it behind.
+    assert rank(loads, {"decoding": 5, "prefilling": 2}, sent={"decoding": Sent(8, 500)})[1] == ["prefilling", "decoding"]
+    # With no backlog reported anywhere, prompts sent since the reports (prefilled long ago, maybe)
+    # do not count: queue length decides.
+    quiet = {"a": load(20), "b": load(20)}
+    assert rank(quiet, {"a": 1, "b": 2}, sent={"a": Sent(8, 500)})[1] == ["a", "b"]
 
 
 def test_stale_or_missing_stats_or_queue_lengths_fall_back_to_serves_default():
@@ -73,12 +87,12 @@ def test_stale_or_missing_stats_or_queue_lengths_fall_back_to_serves_default():
 
 
 def test_stats_round_trip_and_foreign_stats_are_ignored():
-    original = load(12, waiting=3, quantized=4, morph_blocks=9)
+    original = load(12, waiting=3, quantized=4, morph_blocks=9, prefill=77)
     assert ReplicaLoad.from_stats(original.to_stats()) == original
     assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
     assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None
-    older = {k: v for k, v in original.to_stats().items() if k != "morph_blocks"}  # a replica before the field
-    assert ReplicaLoad.from_stats(older).morph_blocks == 0
+    older = {k: v for k, v in original.to_stats().items() if k not in ("morph_blocks", "prefill_tokens")}
+    assert ReplicaLoad.from_stats(older).morph_blocks == 0 == ReplicaLoad.from_stats(older).prefill_tokens  # a replica before the fields
 
 
 def test_a_request_needs_its_prompt_and_the_output_reservation_capped_by_max_tokens():
@@ -90,20 +104,23 @@ def test_a_request_needs_its_prompt_and_the_output_reservation_capped_by_max_tok
 
 
 def route_burst(loads: dict[str, ReplicaLoad], n: int, blocks: int = 4, penalties: Penalties = Penalties()) -> dict[str, int]:
-    """`n` requests between two reports, each sent to the first in the order (Serve's queues are never
-    full here), with the queue-length cache and the in-flight blocks updated per send, as Serve and the
-    router do: the counts sent to each replica."""
+    """`n` requests of `blocks` blocks (their prompts: blocks x 16 tokens) between two reports, each sent
+    to the first in the order (Serve's queues are never full here), with the queue-length cache and the
+    in-flight record updated per send, as Serve and the router do: the counts sent to each replica."""
     in_flight, queue = InFlight(keep_s=4.0), {rid: 0 for rid in loads}
     for i in range(n):
         sent = {rid: in_flight.since(rid, l.taken_at) for rid, l in loads.items()}
         _, order = rank_replicas(loads, queue, blocks * 16, sent, NOW + 0.01 * i, 2.0, penalties=penalties)
         queue[order[0]] += 1
-        in_flight.record(order[0], NOW + 0.01 * i, blocks)
+        in_flight.record(order[0], NOW + 0.01 * i, Sent(blocks, blocks * 16))
     return queue
 
 
 def test_a_burst_between_two_reports_spreads_evenly_over_two_equal_replicas():
     assert route_burst({"a": load(40), "b": load(40)}, 8) == {"a": 4, "b": 4}
+    # Reported backlogs: the prompts sent fill the smaller one up first, then alternate (4 x 64 tokens
+    # bring "b" from 64 to 320, level with "a"; the other 4 split).
+    assert route_burst({"a": load(40, prefill=320), "b": load(40, prefill=64)}, 8) == {"a": 2, "b": 6}
 
 
 def test_a_burst_leans_away_from_a_morphed_replica_only_as_far_as_the_penalties_allow():

@@ -14,23 +14,29 @@ namespace morphserve {
 
 constexpr int64_t kInt4BlockN = 64;  // the AVX512 int4pack layout's column block
 
-// One 64-column block of the int4pack layout ([K][32] bytes: byte j holds column j in the low nibble,
-// column 32 + j in the high one) -> bf16 (128 + code) in VNNI order [K/2][64][2].
+// Rows [0, K) of one 64-column block of the int4pack layout ([K][32] bytes: byte j holds column j in
+// the low nibble, column 32 + j in the high one) -> bf16 (128 + code) in VNNI order [K/2][64][2]. Rows k
+// and k + 1 are one 64-byte load; a zero-masked byte permute puts column n's two bytes in the low bytes
+// of words 2n and 2n + 1 (high bytes 0), so a mask or a shift, then the exponent, finish each 16 columns:
+// two permutes per pair-row (the first version: a two-source permute and four byte-to-word widenings).
 inline void int4_codes_vnni(const uint8_t* blk, int64_t K, at::BFloat16* out) {
-  alignas(64) uint8_t idx_arr[64];
-  for (int j = 0; j < 32; ++j) idx_arr[2 * j] = j, idx_arr[2 * j + 1] = 64 + j;  // row k byte j, row k+1 byte j
-  const __m512i idx = _mm512_load_si512(idx_arr), nib = _mm512_set1_epi8(0x0F), base = _mm512_set1_epi16(0x4300);
+  alignas(64) uint8_t lo_idx[64], hi_idx[64];  // columns 0-15, 16-31 (their high nibbles: 32-47, 48-63)
+  for (int w = 0; w < 32; ++w) {  // word w of the output = (column w / 2, row w % 2)
+    lo_idx[2 * w] = (w % 2) * 32 + w / 2, hi_idx[2 * w] = (w % 2) * 32 + 16 + w / 2;
+    lo_idx[2 * w + 1] = hi_idx[2 * w + 1] = 0;  // masked to zero
+  }
+  const __m512i lo_i = _mm512_load_si512(lo_idx), hi_i = _mm512_load_si512(hi_idx);
+  const __m512i nib = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(0x4300);
+  constexpr __mmask64 kLowBytes = 0x5555555555555555ULL;
   for (int64_t k = 0; k < K; k += 2) {
-    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 32)));
-    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (k + 1) * 32)));
-    const __m512i t = _mm512_permutex2var_epi8(a, idx, b);              // byte pairs (row k, row k+1) of column j
-    const __m512i lo = _mm512_and_si512(t, nib);                        // columns 0..31
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), nib);  // columns 32..63
+    const __m512i rows = _mm512_loadu_si512(blk + k * 32);  // rows k and k + 1
+    const __m512i p0 = _mm512_maskz_permutexvar_epi8(kLowBytes, lo_i, rows);
+    const __m512i p1 = _mm512_maskz_permutexvar_epi8(kLowBytes, hi_i, rows);
     at::BFloat16* dst = out + (k / 2) * kInt4BlockN * 2;
-    const __m256i parts[4] = {_mm512_castsi512_si256(lo), _mm512_extracti64x4_epi64(lo, 1),
-                              _mm512_castsi512_si256(hi), _mm512_extracti64x4_epi64(hi, 1)};
-    for (int q = 0; q < 4; ++q)  // columns 16q .. 16q + 15, as (row k, row k+1) bf16 pairs
-      _mm512_storeu_si512(dst + 32 * q, _mm512_or_si512(_mm512_cvtepu8_epi16(parts[q]), base));
+    _mm512_storeu_si512(dst, _mm512_ternarylogic_epi32(p0, nib, base, 0xEA));  // (p & 0xF) | 0x4300
+    _mm512_storeu_si512(dst + 32, _mm512_ternarylogic_epi32(p1, nib, base, 0xEA));
+    _mm512_storeu_si512(dst + 64, _mm512_or_si512(_mm512_srli_epi16(p0, 4), base));  // high nibbles
+    _mm512_storeu_si512(dst + 96, _mm512_or_si512(_mm512_srli_epi16(p1, 4), base));
   }
 }
 
@@ -51,14 +57,19 @@ inline void int4_group_sums(const at::BFloat16* x, int64_t M, int64_t K, int64_t
 
 // The scales and offsets of one 64-column block for every group, from torch's [K/G, N, 2] (s, zp) bf16:
 // w = code * s + (zp - 8 s) = (128 + code) * s + (zp - 136 s), so scale = s and offset = zp - 136 s
-// ([groups][64] each), read once per block and applied to every row tile's group sums.
+// ([groups][64] each), read once per block and applied to every row tile's group sums. A column's
+// (s, zp) pair is one 32-bit word: s its low half, zp its high half, each a bf16 = an fp32's top half.
 inline void int4_block_scales(const at::BFloat16* sz, int64_t N, int64_t nb, int64_t groups, float* scale, float* offset) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 c136 = _mm512_set1_ps(136.f);
   for (int64_t g = 0; g < groups; ++g) {
-    const at::BFloat16* row = sz + (g * N + nb * kInt4BlockN) * 2;
-    for (int64_t n = 0; n < kInt4BlockN; ++n) {
-      const float s = static_cast<float>(row[2 * n]), zp = static_cast<float>(row[2 * n + 1]);
-      scale[g * kInt4BlockN + n] = s;
-      offset[g * kInt4BlockN + n] = zp - 136.f * s;
+    const auto* pairs = reinterpret_cast<const int32_t*>(sz + (g * N + nb * kInt4BlockN) * 2);
+    for (int64_t q = 0; q < kInt4BlockN / 16; ++q) {
+      const __m512i v = _mm512_loadu_si512(pairs + 16 * q);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 zp = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+      _mm512_storeu_ps(scale + g * kInt4BlockN + 16 * q, s);
+      _mm512_storeu_ps(offset + g * kInt4BlockN + 16 * q, _mm512_fnmadd_ps(c136, s, zp));
     }
   }
 }

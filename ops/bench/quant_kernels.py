@@ -9,7 +9,10 @@ the mean call time over `--inner` passes through `--copies` weight copies (30 = 
 the weights stream from memory as in a decode step instead of staying cache-hot). Reported: the minimum and the median over rounds (ms per call)
 and each candidate's ratio to `bf16_packed` (the engine's full-precision path, engine/layers/packed.py).
 
-Candidates: `bf16_plain` (F.linear); `int4_tinygemm` (the engine's Int4Linear: torch's
+Candidates: `bf16_plain` (F.linear); `bf16_engine` (engine/layers/packed.py's PackedGroup: what the engine
+serves full precision with here, the vnni32 layout and the engine's op on a CPU with AVX512-BF16);
+`int4_tile` (int4_kernel.int4_tile_op: the engine's INT4 tile op, AMX's or the AVX512-BF16 one, on the
+Int4Linear's bytes; where built and the CPU has either); `int4_tinygemm` (the engine's Int4Linear: torch's
 `_weight_int4pack_mm_for_cpu`, group size as the engine picks it) and `int4_tinygemm_g32`;
 `int8_pack_mm` (the engine's Int8Linear, `_weight_int8pack_mm`); `int4_dequant_linear` (INT4 dequantized
 into a reused bf16 scratch by torch ops, then F.linear); `int8_onednn_dynamic` (activations quantized per
@@ -36,7 +39,9 @@ import torch.nn.functional as F
 from engine.capability import detect_capability
 from engine.kernels import int4_amx_op, int4_amx_reason, int8_amx_op, int8_amx_reason
 from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from engine.layers.packed import PackedGroup
 from engine.quant.dispatch import update_amx_dispatch
+from engine.quant.int4_kernel import int4_tile_op
 from engine.quant.int4_record import unpack_nibbles
 
 SHAPES = [(576, 576), (576, 960), (576, 3072), (1536, 576)]  # (in_features, out_features)
@@ -92,8 +97,10 @@ def _all_candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[
         return torch.ops.onednn.qlinear_pointwise(qx, s, zp, qw, q8.scales, w_zp, None, 1.0, 0, torch.bfloat16,
                                                   "none", [], "")
 
+    engine_bf16 = PackedGroup(wb, None)
     calls = {
         BASELINE: lambda: torch.ops.mkldnn._linear_pointwise(xs[0], packed, None, "none", [], ""),
+        "bf16_engine": lambda: engine_bf16(xs[0]),
         "bf16_plain": lambda: F.linear(xs[0], wb),
         "int4_tinygemm": lambda: i4(xs[0]),
         "int4_tinygemm_g32": lambda: i4_32(xs[0]),
@@ -101,6 +108,9 @@ def _all_candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[
         "int4_dequant_linear": dequant_linear,
         "int8_onednn_dynamic": onednn_dynamic,
     }
+    if i4.amx:  # the engine's tile op (AMX or AVX512-BF16) reads this weight
+        tile = int4_tile_op()
+        calls["int4_tile"] = lambda: tile(xs[0], i4.packed, i4.group_size, i4.scales_and_zeros)
     if amx:
         op4, op8 = int4_amx_op(), int8_amx_op()
         calls["int4_amx"] = lambda: op4(xs[0], i4.packed, i4.group_size, i4.scales_and_zeros)

@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import RequestRecord, ServerSample
 from ops.bench.metrics import RunMetrics, Spread, aggregate, compute_run_metrics, spread
+from ops.bench.process_cpu import CPU_ROLES
 from ops.bench.reaction import ReactionSummary
 from ops.quality.rouge import agreement, quality_loss_reduction
 
@@ -41,6 +42,7 @@ class SystemRun:
     quantized_layer_s: float | None = None  # integral of quantized layers over the run (sampled)
     engine_blocked_s: tuple[float, ...] = ()  # reaction.engine_blocked_waits: the engine's own head waits
     generate_calls: tuple[int, ...] = ()  # generate calls each engine replica received (a fleet's load spread)
+    cpu_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)  # role -> CPU s during the replay (process_cpu.py)
 
     @property
     def busiest_share(self) -> float | None:
@@ -120,6 +122,8 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row["reaction_max_s"] = spread(r.reaction.max_s if r.reaction else None for r in runs)
         row["engine_blocked_median_s"] = spread(_median_or_none(r.engine_blocked_s) for r in runs)
         row["busiest_replica_share"] = spread(r.busiest_share for r in runs)
+        for role in CPU_ROLES:
+            row[f"cpu_s.{role}"] = spread(r.cpu_seconds.get(role) for r in runs)
         table[system] = row
     fp_ref = _median(table.get(s.full_precision_system, {}), "rouge_l_vs_reference")
     for row in table.values():
@@ -184,6 +188,8 @@ _TABLES = (
       ("engine-reported head wait median (s)", "engine_blocked_median_s"),
       ("quantized layer-seconds", "quantized_layer_s"),
       ("busiest replica's share of requests", "busiest_replica_share"))),
+    ("CPU seconds during the replay, by process (every second outside the engines is taken from them on a small machine)",
+     tuple((role, f"cpu_s.{role}") for role in CPU_ROLES)),
     ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
                                     ("quality loss reduction vs static INT4 (teacher-forced)", "loss_reduction_vs_int4_full_tf"),
                                     ("WikiText-2 perplexity, token-weighted over configurations", "weighted_ppl"))),
@@ -269,6 +275,7 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
                   "quality": dataclasses.asdict(r.quality) if r.quality else None,
                   "tf_agreement": r.tf_agreement, "weighted_ppl": r.weighted_ppl,
                   "quantized_layer_s": r.quantized_layer_s, "generate_calls": list(r.generate_calls),
+                  "cpu_seconds": dict(r.cpu_seconds),
                   "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
                   "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],
                   "requests": [dataclasses.asdict(x) for x in r.records]} for r in results.runs],

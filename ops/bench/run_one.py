@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import resource
 import secrets
 import shutil
 import sys
@@ -15,6 +16,7 @@ from typing import Iterator, Sequence
 
 from ops.bench.loadgen import LoadGenConfig, LoadRequest, ServerSample, replay
 from ops.bench.metrics import fleet_total_at
+from ops.bench.process_cpu import CpuAccount
 from ops.bench.report import SystemRun
 from ops.bench.server_process import ServerProcess, ServerStartError, free_port, http_get, http_post_json
 from ops.bench.systems import (BudgetPlan, SystemSpec, morphserve_app_args, morphserve_command, morphserve_labels,
@@ -42,6 +44,7 @@ class LiveServer:
     spec: SystemSpec
     base_url: str
     admin_token: str
+    session_id: int  # the server's process session: every process it started (process_cpu.CpuAccount)
 
 
 @contextlib.contextmanager
@@ -60,19 +63,26 @@ def started_server(spec: SystemSpec, tag: str, ctx: RunContext) -> Iterator[Live
         if spec.kind == "morphserve":
             _configure(base, token, spec, ctx.served_name, ctx.start_deadline_s)
         _log(f"  {spec.name} {tag}: ready and configured in {time.monotonic() - started:.0f} s")
-        yield LiveServer(spec, base, token)
+        yield LiveServer(spec, base, token, server.proc.pid)
 
 
 def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], ctx: RunContext) -> SystemRun:
     started = time.monotonic()
     with started_server(spec, f"r{repeat}", ctx) as server:
         _log(f"  {spec.name} r{repeat}: replaying {len(requests)} requests")
+        account = CpuAccount(server.session_id)
+        account.start()
+        client_before = resource.getrusage(resource.RUSAGE_SELF)
         result, samples, calls = _replay(spec, server.base_url, server.admin_token, requests, ctx)
+        client_after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = {**account.stop(), "client": round(client_after.ru_utime + client_after.ru_stime
+                                                 - client_before.ru_utime - client_before.ru_stime, 2)}
+    _log(f"  {spec.name} r{repeat}: CPU seconds during the replay {cpu}")
     ok = sum(r.ok for r in result.records)
     _log(f"  {spec.name} r{repeat}: {ok}/{len(result.records)} ok in {result.duration_s:.0f} s; "
          f"total {time.monotonic() - started:.0f} s")
     return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples),
-                     generate_calls=calls)
+                     generate_calls=calls, cpu_seconds=cpu)
 
 
 def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_path: Path) -> tuple[list[str], dict]:

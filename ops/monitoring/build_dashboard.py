@@ -88,6 +88,8 @@ def queue_row() -> Row:
             Query(gauge("ray_morphserve_num_requests_waiting", "replica"), "waiting {{replica}}"))),
         Panel("Queue delay (oldest waiting request)", (Query(gauge(
             "ray_morphserve_queue_delay_seconds", "replica", agg="max"), "{{replica}}"),), unit="s"),
+        Panel("Prefill backlog (what a new request's first token waits behind; the router's first key)", (Query(gauge(
+            "ray_morphserve_prefill_backlog_tokens", "replica", agg="max"), "{{replica}}"),), unit="short"),
         Panel("Preemptions", (Query(rate("ray_morphserve_num_preemptions_total", "replica"),
                                     "{{replica}}"),), unit="ops"),
     ))
