@@ -125,9 +125,9 @@ at::Tensor int4_avx512_mm(const at::Tensor& x, const at::Tensor& packed, int64_t
       std::fill(acc, acc + rows * kInt4BlockN, 0.f);
       const uint8_t* block = pp + nb * K * 32;
       for (int64_t g = 0; g < groups; ++g) {
-        // Codes kPrefetchGroups groups on (maybe in the next block, or past the end: a prefetch never faults),
+        // Codes kPrefetchGroups groups on (maybe in the next block; near the end, the weight's last group),
         // read by the first row tile while it computes: decoding then finds them in cache.
-        const uint8_t* ahead = block + (g + kPrefetchGroups) * G * 32;
+        const uint8_t* ahead = pp + std::min(nb * K * 32 + (g + kPrefetchGroups) * G * 32, N * K / 2 - G * 32);
         morphserve::int4_codes_vnni(block + g * G * 32, G, w);
         for (int64_t r = 0; r < rows; r += kTileRows)
           tile_rows(std::min(kTileRows, rows - r), xp + (m0 + r) * K + g * G, K, w, G, scale + g * kInt4BlockN,

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from engine.capability import detect_capability
 from engine.kernels import int4_amx_op, int4_amx_reason, int8_amx_op, int8_amx_reason
-from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from engine.layers.packed import PackedGroup
+from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from engine.quant.dispatch import update_amx_dispatch
 from engine.quant.int4_kernel import int4_tile_op
 from engine.quant.int4_record import unpack_nibbles

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import resource
 import secrets
 import shutil
 import sys
@@ -72,11 +71,8 @@ def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], c
         _log(f"  {spec.name} r{repeat}: replaying {len(requests)} requests")
         account = CpuAccount(server.session_id)
         account.start()
-        client_before = resource.getrusage(resource.RUSAGE_SELF)
         result, samples, calls = _replay(spec, server.base_url, server.admin_token, requests, ctx)
-        client_after = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = {**account.stop(), "client": round(client_after.ru_utime + client_after.ru_stime
-                                                 - client_before.ru_utime - client_before.ru_stime, 2)}
+        cpu = account.stop()
     _log(f"  {spec.name} r{repeat}: CPU seconds during the replay {cpu}")
     ok = sum(r.ok for r in result.records)
     _log(f"  {spec.name} r{repeat}: {ok}/{len(result.records)} ok in {result.duration_s:.0f} s; "

@@ -112,18 +112,24 @@ class ServerProcess:
         self.proc = None
 
 
+def proc_stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after "pid (comm) " (state first: field 3 of the file is [0]),
+    or None when the process is gone. Linux only."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()  # comm may hold spaces and parentheses
+
+
 def session_pids(sid: int) -> list[int]:
     """Live processes whose session id is `sid` (Linux /proc; field 6 of /proc/<pid>/stat)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
-        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
+        fields = proc_stat_fields(entry.name)
+        if fields is not None and len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
             pids.append(int(entry.name))
     return pids
 
