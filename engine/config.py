@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -49,7 +49,7 @@ class EngineConfig(BaseModel):
     max_stop_string_chars: int = Field(256, ge=1, description="longest stop string, in characters (as much text is held back while streaming)")
     morph_ladder: tuple[str, ...] = Field(("int8", "int4"), description="lower rungs a layer can be swapped to, in order")
     int4_group_size: int = Field(128, description="INT4 group size; falls back to 64/32 where a layer's input size needs it")
-    int4_amx_min_rows: int | None = Field(8, ge=1, description="CPU INT4 linears with at least this many rows in a step use the engine's tile kernel (engine/kernels/int4_amx.cpp where the CPU has AMX-BF16, int4_avx512.cpp where it has AVX512-BF16 without AMX; where built), fewer use torch's int4pack kernel; None = never. The two round differently, so a request's output can depend on the step's row count across it; 1 = exact batch invariance for INT4 layers (slower at batch 1-4)")
+    int4_amx_min_rows: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field("auto", description="CPU INT4 linears with at least this many rows in a step use the engine's tile kernel (engine/kernels/int4_amx.cpp where the CPU has AMX-BF16, int4_avx512.cpp where it has AVX512-BF16 without AMX; where built), fewer use torch's int4pack kernel; None = never. 'auto' (default): 8 with the AMX op (its 16-row tiles are half empty below), 1 with the AVX512-BF16 op (0.46x torch's kernel's time at one row on a Zen 4 EPYC). The two kernels round differently, so above 1 a request's output can depend on the step's row count across it; 1 = exact batch invariance for INT4 layers")
     int8_amx_min_rows: int | None = Field(1, ge=1, description="CPU INT8 linears with at least this many rows in a step use the engine's AMX-INT8 kernel (engine/kernels/int8_amx.cpp; where built and the CPU has AMX-INT8), fewer use torch's _weight_int8pack_mm; None = never. The two round differently, so above 1 a request's output can depend on the step's row count across it; 1 (default: the AMX kernel is as fast as torch's at one row) = exact batch invariance for INT8 layers")
     enable_morphing: bool = True
     profile: str | None = Field(None, description="layer-importance profile JSON; default: the prepared model's, else front-to-back")

@@ -35,3 +35,27 @@ def test_never_means_torchs_kernel_for_every_row_count():
     lin = Int8Linear(quantize_int8(torch.randn(64, 128) * 0.05))
     x = torch.randn(5, 128).to(torch.bfloat16)
     assert torch.equal(lin(x), torch.ops.aten._weight_int8pack_mm(x, lin.qweight, lin.scales.bfloat16()))
+
+
+def test_auto_int4_threshold_follows_the_tile_op(monkeypatch):
+    """'auto': the AMX op (16-row tiles) from 8 rows, the AVX512-BF16 op from one row; numbers and None stay."""
+    import engine.kernels as kernels
+    from engine.quant.int4_kernel import AMX_TILE_MIN_ROWS, resolve_int4_min_rows
+
+    assert resolve_int4_min_rows(3) == 3 and resolve_int4_min_rows(None) is None
+    monkeypatch.setattr(kernels, "int4_amx_op", lambda: object())
+    assert resolve_int4_min_rows("auto") == AMX_TILE_MIN_ROWS == 8
+    monkeypatch.setattr(kernels, "int4_amx_op", lambda: None)
+    assert resolve_int4_min_rows("auto") == 1
+
+
+def test_engine_config_takes_auto_a_row_count_or_none():
+    from engine.config import EngineConfig
+
+    assert EngineConfig().int4_amx_min_rows == "auto"
+    assert EngineConfig(int4_amx_min_rows=4).int4_amx_min_rows == 4
+    assert EngineConfig(int4_amx_min_rows=None).int4_amx_min_rows is None
+    with pytest.raises(ValueError):
+        EngineConfig(int4_amx_min_rows=0)
+    with pytest.raises(ValueError):
+        EngineConfig(int4_amx_min_rows="often")

@@ -1,8 +1,9 @@
 // INT4 codes of torch's CPU int4pack layout (AVX512: 64-column blocks) as bf16 in VNNI order, for the
-// engine's INT4 ops that multiply with bf16 dot products (int4_amx.cpp with AMX tiles, int4_avx512.cpp
-// with vdpbf16ps). Each weight becomes 128 + code: an exact bf16 (bits 0x4300 | code: the exponent of
-// 128, the code in the low mantissa bits), so the conversion is a byte interleave, a mask and an OR, with
-// no float math per weight; the ops take the 128 back out with the group's offset (int4_block_scales).
+// engine's INT4 ops that multiply with bf16 dot products (int4_amx.cpp with AMX tiles, from a buffer;
+// int4_avx512.cpp with vdpbf16ps, in registers). Each weight becomes 128 + code: an exact bf16 (bits
+// 0x4300 | code: the exponent of 128, the code in the low mantissa bits), so the conversion is a byte
+// interleave, a mask and an OR, with no float math per weight; the ops take the 128 back out with the
+// group's offset (int4_block_scales).
 #pragma once
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <ATen/ATen.h>
@@ -14,29 +15,45 @@ namespace morphserve {
 
 constexpr int64_t kInt4BlockN = 64;  // the AVX512 int4pack layout's column block
 
-// Rows [0, K) of one 64-column block of the int4pack layout ([K][32] bytes: byte j holds column j in
-// the low nibble, column 32 + j in the high one) -> bf16 (128 + code) in VNNI order [K/2][64][2]. Rows k
-// and k + 1 are one 64-byte load; a zero-masked byte permute puts column n's two bytes in the low bytes
-// of words 2n and 2n + 1 (high bytes 0), so a mask or a shift, then the exponent, finish each 16 columns:
-// two permutes per pair-row (the first version: a two-source permute and four byte-to-word widenings).
-inline void int4_codes_vnni(const uint8_t* blk, int64_t K, at::BFloat16* out) {
-  alignas(64) uint8_t lo_idx[64], hi_idx[64];  // columns 0-15, 16-31 (their high nibbles: 32-47, 48-63)
-  for (int w = 0; w < 32; ++w) {  // word w of the output = (column w / 2, row w % 2)
-    lo_idx[2 * w] = (w % 2) * 32 + w / 2, hi_idx[2 * w] = (w % 2) * 32 + 16 + w / 2;
-    lo_idx[2 * w + 1] = hi_idx[2 * w + 1] = 0;  // masked to zero
+// Two rows (k, k + 1) of one 64-column block of the int4pack layout ([K][32] bytes: byte j holds column
+// j in the low nibble, column 32 + j in the high one), one 64-byte load -> bf16 (128 + code) in VNNI order:
+// w[q] holds columns 16 q .. 16 q + 15 as (row k, row k + 1) pairs, vdpbf16ps's operand. A zero-masked byte
+// permute puts column n's two bytes in the low bytes of words 2n and 2n + 1 (high bytes 0), so a mask or
+// a shift, then the exponent, finish each 16 columns: two permutes and four logic ops per pair of rows
+// (the first version: a two-source permute and four byte-to-word widenings).
+struct Int4PairDecoder {
+  __m512i lo_i, hi_i;  // byte indices of columns 0-15 and 16-31 (their high nibbles: 32-47, 48-63)
+  __m512i nib = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(0x4300);
+
+  Int4PairDecoder() {
+    alignas(64) uint8_t lo[64], hi[64];
+    for (int w = 0; w < 32; ++w) {  // word w of the output = (column w / 2, row w % 2)
+      lo[2 * w] = (w % 2) * 32 + w / 2, hi[2 * w] = (w % 2) * 32 + 16 + w / 2;
+      lo[2 * w + 1] = hi[2 * w + 1] = 0;  // masked to zero
+    }
+    lo_i = _mm512_load_si512(lo), hi_i = _mm512_load_si512(hi);
   }
-  const __m512i lo_i = _mm512_load_si512(lo_idx), hi_i = _mm512_load_si512(hi_idx);
-  const __m512i nib = _mm512_set1_epi16(0x000F), base = _mm512_set1_epi16(0x4300);
-  constexpr __mmask64 kLowBytes = 0x5555555555555555ULL;
-  for (int64_t k = 0; k < K; k += 2) {
-    const __m512i rows = _mm512_loadu_si512(blk + k * 32);  // rows k and k + 1
+
+  void decode(const uint8_t* two_rows, __m512bh w[4]) const {
+    constexpr __mmask64 kLowBytes = 0x5555555555555555ULL;
+    const __m512i rows = _mm512_loadu_si512(two_rows);
     const __m512i p0 = _mm512_maskz_permutexvar_epi8(kLowBytes, lo_i, rows);
     const __m512i p1 = _mm512_maskz_permutexvar_epi8(kLowBytes, hi_i, rows);
+    w[0] = (__m512bh)_mm512_ternarylogic_epi32(p0, nib, base, 0xEA);  // (p & 0xF) | 0x4300
+    w[1] = (__m512bh)_mm512_ternarylogic_epi32(p1, nib, base, 0xEA);
+    w[2] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(p0, 4), base);  // high nibbles
+    w[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(p1, 4), base);
+  }
+};
+
+// Rows [0, K) of one 64-column block -> bf16 (128 + code) in VNNI order [K/2][64][2] (for AMX's B tiles).
+inline void int4_codes_vnni(const uint8_t* blk, int64_t K, at::BFloat16* out) {
+  const Int4PairDecoder dec;
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh w[4];
+    dec.decode(blk + k * 32, w);
     at::BFloat16* dst = out + (k / 2) * kInt4BlockN * 2;
-    _mm512_storeu_si512(dst, _mm512_ternarylogic_epi32(p0, nib, base, 0xEA));  // (p & 0xF) | 0x4300
-    _mm512_storeu_si512(dst + 32, _mm512_ternarylogic_epi32(p1, nib, base, 0xEA));
-    _mm512_storeu_si512(dst + 64, _mm512_or_si512(_mm512_srli_epi16(p0, 4), base));  // high nibbles
-    _mm512_storeu_si512(dst + 96, _mm512_or_si512(_mm512_srli_epi16(p1, 4), base));
+    for (int q = 0; q < 4; ++q) _mm512_storeu_si512(dst + 32 * q, (__m512i)w[q]);
   }
 }
 

@@ -3,11 +3,15 @@
 // One call covers a set of "runs": consecutive query rows of one request, run r has rows
 // [row_start[r], row_start[r] + num_rows[r]) at positions start_pos[r] + i, and sees keys at positions
 // <= its own (causal), found through block_tables[r]. A decode is a run of one row; a later prefill
-// chunk is a run of n rows. Work item = (run, kv head, tile of up to kTileRows query tokens): the item's
-// rows are the tile's tokens x the query heads that read this kv head (GQA as in HF: q head h reads kv
-// head h / group), so each key and value row is read once for all of them, and a decode of one request
-// still splits over threads (one item per kv head). Softmax is exact two-pass in fp32 over the item's
-// score buffer.
+// chunk is a run of n rows. Work item = (run, tile of up to kTileRows query tokens, kv heads): the item's
+// rows are the tile's tokens x its kv heads x the query heads that read each (GQA as in HF: q head h reads
+// kv head h / group), so each key and value row is read once for all of them. An item takes every kv
+// head, so that it reads each cache block's rows for all heads (one contiguous run of memory) while they
+// are in cache: 4-6% less time per decode call than one item per head in the offline benchmark's steps,
+// where the blocks come from DRAM (the kernel is memory-bound there: at batch 32 and 256 tokens of
+// context it reads the cache at ~26 GB/s, about all these two cores can read). With too few items to keep
+// every thread busy (a decode of one or two requests) it is one item per kv head instead. Softmax is
+// exact two-pass in fp32 over the item's score buffer.
 //
 // Two inner loops, same structure:
 //  * generic (fp32, or bf16 on a CPU without AVX512-BF16, or odd shapes): each key/value row converted
@@ -39,6 +43,7 @@
 namespace {
 
 constexpr int64_t kTileRows = 8;  // query tokens per work item: bounds the score buffer
+constexpr int64_t kMinItemsPerThread = 4;  // fewer (run, tile) items than this per thread: one item per kv head
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -71,22 +76,28 @@ struct Geometry {
   int64_t q_s0, q_s1, c_s0, c_s1, c_s2, o_s0, o_s1, table_s0;
 };
 
-// One work item's place: its rows are r = t * group + j for token t < nt of the tile and query head
-// head * group + j; row r sees the keys [0, pos0 + t + 1).
+// One work item's place: kv heads [head0, head0 + nheads) for the tokens t < nt of the tile. Its rows are
+// r = (t * nheads + h) * group + j: token t, kv head head0 + h, query head (head0 + h) * group + j; row r
+// sees the keys [0, pos0 + t + 1).
 struct Item {
   const int64_t* table;  // the run's block table
-  int64_t row0, pos0, nt, head;
-  int64_t rows(const Geometry& g) const { return nt * g.group; }
+  int64_t row0, pos0, nt, head0, nheads;
+  int64_t rows(const Geometry& g) const { return nt * nheads * g.group; }
   int64_t keys() const { return pos0 + nt; }  // the tile's last token sees [0, pos0 + nt)
-  int64_t visible(int64_t r, const Geometry& g) const { return pos0 + r / g.group + 1; }
+  int64_t token(int64_t r, const Geometry& g) const { return r / (nheads * g.group); }
+  int64_t head(int64_t r, const Geometry& g) const { return head0 + r / g.group % nheads; }
+  int64_t visible(int64_t r, const Geometry& g) const { return pos0 + token(r, g) + 1; }
   int64_t q_offset(int64_t r, const Geometry& g) const {
-    return (row0 + r / g.group) * g.q_s0 + (head * g.group + r % g.group) * g.q_s1;
+    return (row0 + token(r, g)) * g.q_s0 + (head(r, g) * g.group + r % g.group) * g.q_s1;
   }
   int64_t o_offset(int64_t r, const Geometry& g) const {
-    return (row0 + r / g.group) * g.o_s0 + (head * g.group + r % g.group) * g.o_s1;
+    return (row0 + token(r, g)) * g.o_s0 + (head(r, g) * g.group + r % g.group) * g.o_s1;
   }
-  // Key/value row i of block b of this item's kv head.
-  int64_t c_offset(int64_t b, int64_t i, const Geometry& g) const { return table[b] * g.c_s0 + i * g.c_s1 + head * g.c_s2; }
+  // Key/value row i of block b of kv head h.
+  int64_t c_offset(int64_t b, int64_t i, int64_t h, const Geometry& g) const {
+    return table[b] * g.c_s0 + i * g.c_s1 + h * g.c_s2;
+  }
+  Item one_head(int64_t h) const { return {table, row0, pos0, nt, h, 1}; }
 };
 
 // Row r's scores [0, keys) -> probabilities over its visible keys, zero beyond them (so the p.v loops
@@ -108,10 +119,10 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t keys, const Item& 
   }
 }
 
-// ---- generic inner loops (any dtype, any shape) ----
+// ---- generic inner loops (any dtype, any shape), one kv head at a time ----
 template <typename T, int64_t DIM>
-void attend_generic(const T* q, const T* k, const T* v, T* out, const Item& it, float scale, const Geometry& g,
-                    std::vector<float>& buf) {
+void attend_generic_head(const T* q, const T* k, const T* v, T* out, const Item& it, float scale, const Geometry& g,
+                         std::vector<float>& buf) {
   const int64_t dim = DIM > 0 ? DIM : g.dim, bs = g.block_size, rows = it.rows(g), keys = it.keys();
   const int64_t nblocks = (keys + bs - 1) / bs;
   buf.resize(rows * dim * 2 + dim + rows * keys);
@@ -126,7 +137,7 @@ void attend_generic(const T* q, const T* k, const T* v, T* out, const Item& it, 
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t first = b * bs, n = std::min(bs, keys - first);
     for (int64_t i = 0; i < n; ++i) {
-      load_row(k + it.c_offset(b, i, g), kv, dim);
+      load_row(k + it.c_offset(b, i, it.head0, g), kv, dim);
       for (int64_t r = 0; r < rows; ++r) scores[r * keys + first + i] = dot(qf + r * dim, kv, dim);
     }
   }
@@ -135,7 +146,7 @@ void attend_generic(const T* q, const T* k, const T* v, T* out, const Item& it, 
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t first = b * bs, n = std::min(bs, keys - first);
     for (int64_t i = 0; i < n; ++i) {
-      load_row(v + it.c_offset(b, i, g), kv, dim);
+      load_row(v + it.c_offset(b, i, it.head0, g), kv, dim);
       for (int64_t r = 0; r < rows; ++r)
         if (first + i < it.visible(r, g)) axpy(scores[r * keys + first + i], kv, acc + r * dim, dim);
     }
@@ -144,6 +155,12 @@ void attend_generic(const T* q, const T* k, const T* v, T* out, const Item& it, 
     T* dst = out + it.o_offset(r, g);
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[r * dim + d]);
   }
+}
+
+template <typename T, int64_t DIM>
+void attend_generic(const T* q, const T* k, const T* v, T* out, const Item& it, float scale, const Geometry& g,
+                    std::vector<float>& buf) {
+  for (int64_t h = it.head0; h < it.head0 + it.nheads; ++h) attend_generic_head<T, DIM>(q, k, v, out, it.one_head(h), scale, g, buf);
 }
 
 #if defined(__AVX512BF16__)
@@ -167,6 +184,32 @@ inline __m512 hsum16(const __m512* a) {
 
 inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
+// acc[r] += p[r] . v for the rows r of the item's kv head head0 + h, over one block's keys [first, first + n)
+// (probabilities bf16, ld pkeys; the block's value rows interleaved in pairs, [pair][DIM][2]).
+template <int64_t DIM>
+void pv_head(int64_t h, int64_t first, int64_t n, const uint16_t* p16, int64_t pkeys, const c10::BFloat16* vpairs,
+             float* acc, const Item& it, const Geometry& g) {
+  constexpr int64_t ko = DIM / 16;
+  for (int64_t t = 0; t < it.nt; ++t) {
+    const int64_t vis = std::min(n, it.pos0 + t + 1 - first);  // keys of this block token t sees
+    if (vis <= 0) continue;
+    for (int64_t r = (t * it.nheads + h) * g.group; r < (t * it.nheads + h + 1) * g.group; ++r) {
+      __m512 o[ko];
+      float* ar = acc + r * DIM;
+      for (int64_t c = 0; c < ko; ++c) o[c] = _mm512_loadu_ps(ar + 16 * c);
+      const uint16_t* pr = p16 + r * pkeys + first;  // first is even (even block size): pairs align
+      for (int64_t j = 0; j < (vis + 1) / 2; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, pr + 2 * j, sizeof pair);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+        const c10::BFloat16* vp = vpairs + j * DIM * 2;
+        for (int64_t c = 0; c < ko; ++c) o[c] = _mm512_dpbf16_ps(o[c], pp, load_bh(vp + 32 * c));
+      }
+      for (int64_t c = 0; c < ko; ++c) _mm512_storeu_ps(ar + 16 * c, o[c]);
+    }
+  }
+}
+
 template <int64_t DIM>
 void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, c10::BFloat16* out,
                  const Item& it, float scale, const Geometry& g, std::vector<float>& buf) {
@@ -186,8 +229,9 @@ void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFlo
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - i0);
       const c10::BFloat16* kr[16];
-      for (int64_t i = 0; i < m; ++i) kr[i] = k + it.c_offset(b, i0 + i, g);
       for (int64_t r = 0; r < rows; ++r) {
+        if (r % g.group == 0)  // the first row of a kv head: that head's key rows
+          for (int64_t i = 0; i < m; ++i) kr[i] = k + it.c_offset(b, i0 + i, it.head(r, g), g);
         if (first + i0 >= it.visible(r, g)) continue;  // none of these keys is visible to row r
         const c10::BFloat16* qr = q + it.q_offset(r, g);
         __m512bh qv[kq];
@@ -213,8 +257,9 @@ void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFlo
     for (; i < keys; ++i) dst[i] = c10::BFloat16(s[i]).x;
     if (pkeys > keys) dst[keys] = 0;
   }
-  // p.v: each block's value rows interleaved in key pairs once ([pair][dim][2], vdpbf16ps's layout),
-  // then per row, per pair, one broadcast of (p_j, p_j+1) and DIM/16 vdpbf16ps into fp32 accumulators.
+  // p.v: per block and kv head, the value rows interleaved in key pairs once ([pair][dim][2], vdpbf16ps's
+  // layout), then per row of that head, per pair, one broadcast of (p_j, p_j+1) and DIM/16 vdpbf16ps into
+  // fp32 accumulators.
   alignas(64) int16_t lo_idx[32], hi_idx[32];
   for (int j = 0; j < 16; ++j) {
     lo_idx[2 * j] = j, lo_idx[2 * j + 1] = 32 + j;            // dims j of key a, key b
@@ -224,32 +269,19 @@ void attend_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFlo
   std::fill(acc, acc + rows * DIM, 0.f);
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t first = b * bs, n = std::min(bs, keys - first), pairs = (n + 1) / 2;
-    for (int64_t j = 0; j < pairs; ++j) {
-      const c10::BFloat16* va = v + it.c_offset(b, 2 * j, g);
-      const c10::BFloat16* vb = 2 * j + 1 < n ? v + it.c_offset(b, 2 * j + 1, g) : nullptr;
-      for (int64_t c = 0; c < kq; ++c) {
-        const __m512i a = _mm512_loadu_si512(va + 32 * c);
-        const __m512i bb = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
-        c10::BFloat16* dst = vpairs + (j * DIM + 32 * c) * 2;
-        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, bb));
-        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, bb));
+    for (int64_t h = 0; h < it.nheads; ++h) {
+      for (int64_t j = 0; j < pairs; ++j) {
+        const c10::BFloat16* va = v + it.c_offset(b, 2 * j, it.head0 + h, g);
+        const c10::BFloat16* vb = 2 * j + 1 < n ? v + it.c_offset(b, 2 * j + 1, it.head0 + h, g) : nullptr;
+        for (int64_t c = 0; c < kq; ++c) {
+          const __m512i a = _mm512_loadu_si512(va + 32 * c);
+          const __m512i bb = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+          c10::BFloat16* dst = vpairs + (j * DIM + 32 * c) * 2;
+          _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, bb));
+          _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, bb));
+        }
       }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t vis = std::min(n, it.visible(r, g) - first);
-      if (vis <= 0) continue;
-      __m512 o[ko];
-      float* ar = acc + r * DIM;
-      for (int64_t c = 0; c < ko; ++c) o[c] = _mm512_loadu_ps(ar + 16 * c);
-      const uint16_t* pr = p16 + r * pkeys + first;  // first is even (even block size): pairs align
-      for (int64_t j = 0; j < (vis + 1) / 2; ++j) {
-        int32_t pair;
-        std::memcpy(&pair, pr + 2 * j, sizeof pair);
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
-        const c10::BFloat16* vp = vpairs + j * DIM * 2;
-        for (int64_t c = 0; c < ko; ++c) o[c] = _mm512_dpbf16_ps(o[c], pp, load_bh(vp + 32 * c));
-      }
-      for (int64_t c = 0; c < ko; ++c) _mm512_storeu_ps(ar + 16 * c, o[c]);
+      pv_head<DIM>(h, b * bs, n, p16, pkeys, vpairs, acc, it, g);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -305,7 +337,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t b = 0; b < (sp[r] + nr[r] + g.block_size - 1) / g.block_size; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "paged_attention: block id ", table[b], " out of range");
     for (int64_t t = 0; t < nr[r]; t += kTileRows)
-      for (int64_t h = 0; h < g.hkv; ++h) items.push_back({table, rs[r] + t, sp[r] + t, std::min(kTileRows, nr[r] - t), h});
+      items.push_back({table, rs[r] + t, sp[r] + t, std::min(kTileRows, nr[r] - t), 0, g.hkv});
+  }
+  if (static_cast<int64_t>(items.size()) < kMinItemsPerThread * at::get_num_threads()) {
+    std::vector<Item> split;  // too few to share out: one item per kv head
+    for (const Item& it : items)
+      for (int64_t h = 0; h < g.hkv; ++h) split.push_back(it.one_head(h));
+    items.swap(split);
   }
   const float fscale = static_cast<float>(scale);
   auto run = [&](auto attend) {

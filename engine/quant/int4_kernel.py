@@ -17,13 +17,16 @@ a build whose packing differs gets another key even if version and ISA agree.
 Which matmul reads the CPU layout (`kernel_mm(..., amx=True)` for eligible weights, see `amx_eligible`):
 torch's `_weight_int4pack_mm_for_cpu` below `int4_min_rows` rows (quant/dispatch.py), the engine's tile op
 (`int4_tile_op`, same bytes) from there up: the AMX op (engine/kernels/int4_amx.cpp) on a CPU with AMX,
-else the AVX512-BF16 op (engine/kernels/int4_avx512.cpp, vdpbf16ps register tiles; e.g. AMD Zen 4). torch's kernel has no AMX path, and from a few
-rows up it is slower than the packed bf16 linear; the tile ops turn each call's codes into bf16 once
-(a byte shuffle, no float math per weight) and pads the rows to a 16-row tile, which costs more than
-torch's kernel at 1-4 rows. Both are row-invariant (a row's output does not depend on
-the other rows), but they round differently (last bf16 bit), so a request's INT4 outputs can differ
-with the number of rows in the step when it crosses the threshold (as the packed bf16 linear's already
-do: oneDNN picks its kernel by row count). `int4_amx_min_rows=1` gives INT4 layers exact batch invariance.
+else the AVX512-BF16 op (engine/kernels/int4_avx512.cpp, vdpbf16ps register tiles; e.g. AMD Zen 4). torch's
+kernel has no AMX path, and from a few rows up it is slower than the packed bf16 linear. The AMX op
+turns each call's codes into bf16 once (a byte shuffle, no float math per weight) and pads the rows to
+a 16-row tile, which costs more than torch's kernel at 1-4 rows, so its default threshold is
+AMX_TILE_MIN_ROWS; the AVX512-BF16 op decodes in registers and beats torch's kernel from one row, so
+its default threshold is 1 (`resolve_int4_min_rows`, EngineConfig.int4_amx_min_rows='auto'). Both are
+row-invariant (a row's output does not depend on the other rows), but they round differently from
+torch's kernel (last bf16 bit), so with a threshold above 1 a request's INT4 outputs can differ with
+the number of rows in the step when it crosses it (as the packed bf16 linear's already do: oneDNN
+picks its kernel by row count). A threshold of 1 gives INT4 layers exact batch invariance.
 Where torch packs the AVX2 layout (a CPU without AVX-512, hence without native bf16, where the engine
 serves fp32), `int4_mm(..., avx2=True)` runs the engine's AVX2 op (engine/kernels/int4_avx2.cpp, same
 bytes) in fp32 at every row count: torch's kernel would compute in emulated bf16 (or scalar fp32).
@@ -97,6 +100,19 @@ def int4_tile_op():
     from engine.kernels import int4_amx_op, int4_avx512_op  # lazy: loading the library is not needed to pack
     op = int4_amx_op()
     return op if op is not None else int4_avx512_op()
+
+
+AMX_TILE_MIN_ROWS = 8  # the AMX op's 16-row tiles: below 8 rows torch's kernel is as fast (engine/kernels/int4_amx.cpp)
+
+
+def resolve_int4_min_rows(setting: int | str | None) -> int | None:
+    """EngineConfig.int4_amx_min_rows -> AmxDispatch.int4_min_rows: 'auto' is AMX_TILE_MIN_ROWS for the AMX
+    op and 1 for the AVX512-BF16 one, which decodes its codes in registers and takes 0.46x torch's
+    kernel's time even at one row (engine/kernels/int4_avx512.cpp); an int or None is kept."""
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    from engine.kernels import int4_amx_op  # lazy, as amx_eligible
+    return AMX_TILE_MIN_ROWS if int4_amx_op() is not None else 1
 
 
 @functools.cache  # asked for every INT4 linear a swap builds; the answer is fixed for the process

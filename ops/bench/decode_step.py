@@ -6,8 +6,8 @@ holds). Layers are switched to the `--rung` (int4, int8, or both, interleaved) i
 committed profile; front-to-back without one), RTN (INT4: the same packed kernel as AWQ, so the same speed). On a shared machine the
 configurations are interleaved round by round, so load drift hits them alike; each round times
 `--steps` consecutive steps, and the reported figure is the median over rounds of the mean step time.
-`--int4-amx-min-rows never 8` interleaves INT4 kernel dispatch settings (EngineConfig.int4_amx_min_rows:
-torch's int4pack kernel only vs the AMX op from 8 rows up) in the same rounds; `--int4-avx2 on off` likewise
+`--int4-amx-min-rows never auto 8` interleaves INT4 kernel dispatch settings (EngineConfig.int4_amx_min_rows:
+torch's int4pack kernel only, the engine's default, the tile op from 8 rows up) in the same rounds; `--int4-avx2 on off` likewise
 the engine's fp32 AVX2 INT4 op vs torch's kernel in bf16 (CPUs without AVX-512); `--int8-amx-min-rows` sets
 the INT8 threshold (EngineConfig.int8_amx_min_rows; 'never' = torch's _weight_int8pack_mm only).
 
@@ -37,6 +37,7 @@ from engine.model_runner import ModelRunner
 from engine.loader import load_model
 from engine.morph.profiler import LayerSwitch
 from engine.quant.awq import LayerWeights
+from engine.quant.int4_kernel import resolve_int4_min_rows
 from engine.capability import detect_capability
 from engine.config import EngineConfig
 from engine.kernels import int4_amx_reason, int4_avx2_reason, int8_amx_reason
@@ -131,7 +132,7 @@ def dispatch_settings(amx_rows: Sequence[str], avx2: Sequence[str]) -> list[tupl
     out = []
     for m in amx_rows:
         for v in avx2:
-            rows = None if m in ("never", "None") else int(m)
+            rows = None if m in ("never", "None") else resolve_int4_min_rows("auto" if m == "auto" else int(m))
             label = (f" amx={m}" if len(amx_rows) > 1 else "") + (f" avx2={v}" if len(avx2) > 1 else "")
             out.append((label, {"int4_min_rows": rows, "int4_avx2": v == "on"}))
     return out
