@@ -33,3 +33,12 @@ def test_bench_times_prefill_chunks_and_restores_the_layers(tiny_model_dir):
     assert all(set(row) == {"int4=0", f"int4={n}"} and all(v > 0 for v in row.values()) for row in out.values())
     assert [layer.get_linears()["q_proj"].precision for layer in model.layers] == before
     json.dumps(out)  # the report is plain JSON
+
+
+def test_dispatch_settings_resolve_auto_like_the_engine():
+    from engine.quant.int4_kernel import resolve_int4_min_rows
+
+    settings = dict(decode_step.dispatch_settings(["auto", "never", "8"], ["on"]))
+    assert settings == {" amx=auto": {"int4_min_rows": resolve_int4_min_rows("auto"), "int4_avx2": True},
+                        " amx=never": {"int4_min_rows": None, "int4_avx2": True},
+                        " amx=8": {"int4_min_rows": 8, "int4_avx2": True}}

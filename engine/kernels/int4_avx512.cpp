@@ -17,8 +17,11 @@
 // 0.6-0.8x the bf16 time at 1 row, 1.3-1.35x at 16; group by group into an L1 buffer with the codes two
 // groups ahead prefetched inside the dot-product loop: 0.45-0.55x and ~1.1x; decoding in registers
 // (no buffer: its 512-bit stores and reloads were most of what decoding cost, and a 6-row tile has
-// enough vdpbf16ps per pair of rows to hide the permutes): 0.40x at 1 row, 0.96-1.05x at 16, and 0.46x
-// torch's int4pack kernel at 1 row, so on this CPU the op runs from one row up (quant/dispatch.py).
+// enough vdpbf16ps per pair of rows to hide the permutes): 0.45x at 1 row, 0.96-1.08x at 16 over several
+// runs, and 0.40-0.45x torch's int4pack kernel at every row count, so on this CPU the op runs from one
+// row up (int4_kernel.resolve_int4_min_rows). What is left at 16 rows: the per-group scaling (two fp32
+// FMAs per accumulator per group, ~6% of the dot products at a group of 64) and the decoding's share
+// of the vector ports, on top of the same dot products as the bf16 op, which runs near their peak there.
 // Compiled only where the compiler targets AVX512-BF16 + AVX512-VBMI (-march=native).
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <ATen/ATen.h>
@@ -37,7 +40,7 @@ namespace {
 
 using BF = at::BFloat16;
 using morphserve::kInt4BlockN;
-constexpr int64_t kTileRows = 6;  // 6 rows x 4 column vectors = 24 accumulators + 4 weights + 1 broadcast
+constexpr int64_t kTileRows = 6;  // 6 rows x 4 column vectors = 24 accumulators + 4 decoded weights + 1 broadcast
 constexpr int64_t kPrefetchGroups = 2;  // 1 took 1.1x the time of 2 at 1 row, the same at 8-32
 constexpr int64_t kChunkRows = 96;  // rows per chunk of work items: their x stays in L2 while every block runs
 

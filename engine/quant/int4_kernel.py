@@ -107,7 +107,7 @@ AMX_TILE_MIN_ROWS = 8  # the AMX op's 16-row tiles: below 8 rows torch's kernel 
 
 def resolve_int4_min_rows(setting: int | str | None) -> int | None:
     """EngineConfig.int4_amx_min_rows -> AmxDispatch.int4_min_rows: 'auto' is AMX_TILE_MIN_ROWS for the AMX
-    op and 1 for the AVX512-BF16 one, which decodes its codes in registers and takes 0.46x torch's
+    op and 1 for the AVX512-BF16 one, which decodes its codes in registers and takes 0.40-0.45x torch's
     kernel's time even at one row (engine/kernels/int4_avx512.cpp); an int or None is kept."""
     if setting != "auto":
         return setting  # type: ignore[return-value]
