@@ -8,7 +8,10 @@ here raises into the serving path.
 
 The local fallback applies the mode cap and the last fleet grant the controller gave this replica
 (it cannot know the others' demand, so it never takes more than that share); when the controller is
-back it moves the budget again. (Past `replica_timeout_s` of silence the controller hands a silent
+back it moves the budget again. Before the controller has answered once, a replica of a fleet with an
+accuracy budget has no share at all and keeps full precision: at start the controller actor can take
+seconds to come up, and replicas that morphed on their own meanwhile held more than the budget together
+(seen in tests/test_fleet_serve.py). (Past `replica_timeout_s` of silence the controller hands a silent
 replica's share to others: a replica cut off from the controller yet alive can then overlap them.) It asks
 to scale out under the same rule as the controller (at the cap for `scale_out_after_s`).
 
@@ -58,6 +61,8 @@ class ControllerClient:
         self._reachable = False  # until the controller first answers
         self.last_directive: Directive | None = None
         self.last_grant: int | None = None  # the controller's latest fleet share for this replica
+        self._answered = False  # whether the controller has ever answered (see _fallback_cap)
+        self._budgeted = create_with is not None and create_with.fleet_max_quantized_layers is not None
         self.last_error: str | None = None
         self.fallbacks = 0  # reports answered by the local policy
 
@@ -83,7 +88,7 @@ class ControllerClient:
             self._on_failure(e)
             directive = self._local(morph_state)
         else:
-            self._reachable, self.last_error, self.last_grant = True, None, directive.grant
+            self._reachable, self.last_error, self.last_grant, self._answered = True, None, directive.grant, True
             if directive.mode != self._runner.config.mode:  # follow a fleet-wide set_mode in the fallback too
                 self._runner.set_config(self._runner.config.with_mode(directive.mode))
         self.last_directive = directive
@@ -116,12 +121,20 @@ class ControllerClient:
         self._handle = None  # look the actor up again next time (it may have been restarted or recreated)
         self.fallbacks += 1
 
+    def _fallback_cap(self) -> int | None:
+        """The most layers the local policy may quantize: the last grant; 0 in a budgeted fleet whose
+        controller has not answered yet (no share yet, see the module doc); None = the mode cap only."""
+        if self.use_controller and self._budgeted and not self._answered:
+            return 0
+        return self.last_grant
+
     def _local(self, morph_state: MorphState) -> Directive:
         try:
-            directive = self._runner.decide(morph_state, cap=self.last_grant)
+            cap = self._fallback_cap()
+            directive = self._runner.decide(morph_state, cap=cap)
             history, config = self._runner.history, self._runner.config
             latest = history[-1] if history else None
-            saturated = is_saturated(latest, morph_state, config, self.last_grant, compute_bound(directive))
+            saturated = is_saturated(latest, morph_state, config, cap, compute_bound(directive))
             scale_out = self._saturation.update(saturated, directive.scale_out,
                                                 latest.time if latest else 0.0)
             return dataclasses.replace(directive, scale_out=scale_out)

@@ -492,3 +492,45 @@ def test_replicas_report_through_ray_and_survive_a_controller_restart(ray_cluste
     assert set(after["replicas"]) == {"hot", "warm"}
     assert all(after["replicas"][rid]["reports"] >= 1 for rid in ("hot", "warm"))
     ray.kill(actor, no_restart=True)
+
+
+def test_before_the_controller_first_answers_a_budgeted_fleets_replica_keeps_full_precision():
+    """A replica of a fleet with an accuracy budget has no share until the controller answers: under
+    pressure its local fallback holds 0 layers (two replicas morphing on their own at start held more than
+    the budget together); once answered, it follows the grant. Without a budget the fallback still acts."""
+    fleet = FleetController(FleetConfig(fleet_max_quantized_layers=2), clock=FakeClock())
+
+    async def answer(*args):
+        return fleet.report(*args)
+
+    async def die(*args):
+        raise RuntimeError("controller still starting")
+
+    handles = iter([FakeHandle(die) for _ in range(8)] + [FakeHandle(*[answer] * 8)])  # a failure drops the handle
+    client = ControllerClient("r1", PolicyConfig(), timeout_s=0.05, resolve=lambda: next(handles),
+                              create_with=FleetConfig(fleet_max_quantized_layers=2))
+    replica = FakeReplica("r1", 0.99, 0.5)
+
+    async def run(rounds: int) -> list[Directive]:
+        out = []
+        for _ in range(rounds):
+            out.append(await client.report(replica.snapshot(), replica.state))
+            replica.apply(out[-1])
+        return out
+
+    unanswered = asyncio.run(run(8))  # sustained pressure, long past the policy's enter_after
+    assert all(d.source == "local" and d.target_quantized == 0 for d in unanswered), unanswered[-1]
+    assert replica.state.num_quantized == 0
+    answered = asyncio.run(run(8))
+    assert answered[-1].source == "controller" and replica.state.num_quantized == 2
+
+    unbudgeted = ControllerClient("r2", PolicyConfig(), timeout_s=0.05, resolve=lambda: FakeHandle(die))
+    lone = FakeReplica("r2", 0.99, 0.5)
+
+    async def alone(rounds: int) -> Directive:
+        for _ in range(rounds):
+            directive = await unbudgeted.report(lone.snapshot(), lone.state)
+            lone.apply(directive)
+        return directive
+
+    assert asyncio.run(alone(8)).target_quantized > 0  # no budget to share: the local policy morphs

@@ -8,8 +8,9 @@ a threshold above 1 lets a request's output depend on the step's row count (1 = 
 Eligible AVX2-layout INT4 weights (a CPU without AVX-512) go to the engine's fp32 AVX2 op at every row
 count while `int4_avx2` is set (one kernel: batch-invariant).
 
-Process-wide like torch's thread count: the engine sets it from EngineConfig.int4_amx_min_rows and
-int8_amx_min_rows when it builds (engine_builder.py); benchmarks and tests change it with
+Process-wide like torch's thread count: the engine sets it from EngineConfig.int4_amx_min_rows ('auto'
+resolved per tile op by int4_kernel.resolve_int4_min_rows) and int8_amx_min_rows when it builds
+(engine_builder.py); benchmarks and tests change it with
 `update_amx_dispatch` and put the previous record back with `set_amx_dispatch`.
 """
 from __future__ import annotations
