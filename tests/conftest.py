@@ -51,3 +51,38 @@ def default_model_dir() -> Path:
     from engine.loader import resolve_model
 
     return resolve_model("default", default_cache_dir()).hf_dir
+
+
+# Ending the test process: once pytest has reported and cleaned up, the interpreter's own teardown still
+# runs beside threads that native libraries started (Ray's core worker, engine threads of in-process
+# engines) and once segfaulted there, in libstdc++, after "834 passed": make test failed with every test
+# green. So the process ends right after pytest, with pytest's exit status (5, no tests, included):
+# Ray is shut down first, as its own exit handler would, then os._exit skips the teardown.
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    import atexit
+
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is not None:
+        atexit.register(_end_process, status)  # registered last, so it runs first of the exit handlers
+
+
+def _end_process(status: int) -> None:
+    import sys
+
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001 - a failed shutdown must not change the tests' verdict
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+_EXIT_STATUS = pytest.StashKey[int]()

@@ -356,6 +356,15 @@ class FakeHandle:
         return next(self._behaviours)(*args)
 
 
+async def report_rounds(client: ControllerClient, replica: "FakeReplica", rounds: int) -> list[Directive]:
+    """`rounds` reports of `replica` through `client`, each directive applied before the next."""
+    out = []
+    for _ in range(rounds):
+        out.append(await client.report(replica.snapshot(), replica.state))
+        replica.apply(out[-1])
+    return out
+
+
 def test_client_falls_back_locally_and_retries_by_name():
     controller = FleetController(FleetConfig(policy=PolicyConfig(mode="performance")), clock=FakeClock())
 
@@ -408,16 +417,10 @@ def test_the_local_fallback_keeps_to_the_last_fleet_grant_and_waits_before_askin
                               create_with=FleetConfig(scale_out_after_s=2.0))
     replica = FakeReplica("r1", 0.99, 0.5)
 
-    async def run(rounds: int) -> list[Directive]:
-        out = []
-        for _ in range(rounds):
-            out.append(await client.report(replica.snapshot(), replica.state))
-            replica.apply(out[-1])
-        return out
-
-    answered = asyncio.run(run(6))
+    run = lambda rounds: asyncio.run(report_rounds(client, replica, rounds))  # noqa: E731
+    answered = run(6)
     assert answered[-1].source == "controller" and answered[-1].grant == 2 and replica.state.num_quantized == 2
-    local = asyncio.run(run(12))  # 3 s of pressure at the grant, on the local policy alone
+    local = run(12)  # 3 s of pressure at the grant, on the local policy alone
     assert all(d.source == "local" for d in local) and replica.state.num_quantized == 2  # not the mode cap (6)
     asked = [d.scale_out for d in local]
     assert not asked[0] and asked[-1]  # only after scale_out_after_s (2 s) at the cap
@@ -511,26 +514,13 @@ def test_before_the_controller_first_answers_a_budgeted_fleets_replica_keeps_ful
                               create_with=FleetConfig(fleet_max_quantized_layers=2))
     replica = FakeReplica("r1", 0.99, 0.5)
 
-    async def run(rounds: int) -> list[Directive]:
-        out = []
-        for _ in range(rounds):
-            out.append(await client.report(replica.snapshot(), replica.state))
-            replica.apply(out[-1])
-        return out
-
-    unanswered = asyncio.run(run(8))  # sustained pressure, long past the policy's enter_after
+    unanswered = asyncio.run(report_rounds(client, replica, 8))  # pressure long past enter_after
     assert all(d.source == "local" and d.target_quantized == 0 for d in unanswered), unanswered[-1]
     assert replica.state.num_quantized == 0
-    answered = asyncio.run(run(8))
+    answered = asyncio.run(report_rounds(client, replica, 8))
     assert answered[-1].source == "controller" and replica.state.num_quantized == 2
 
     unbudgeted = ControllerClient("r2", PolicyConfig(), timeout_s=0.05, resolve=lambda: FakeHandle(die))
     lone = FakeReplica("r2", 0.99, 0.5)
 
-    async def alone(rounds: int) -> Directive:
-        for _ in range(rounds):
-            directive = await unbudgeted.report(lone.snapshot(), lone.state)
-            lone.apply(directive)
-        return directive
-
-    assert asyncio.run(alone(8)).target_quantized > 0  # no budget to share: the local policy morphs
+    assert asyncio.run(report_rounds(unbudgeted, lone, 8))[-1].target_quantized > 0  # no budget to share: the local policy morphs
