@@ -153,7 +153,8 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
     # Prompts sent since a report count only while some replica reports a backlog: else a prompt sent
     # 0.4 s ago, long prefilled, would still weigh until the next report.
     bursting = any(load.prefill_tokens > 0 for load in loads.values())
-    backlog = {rid: load.prefill_tokens + sent.get(rid, nothing).tokens if bursting else 0 for rid, load in loads.items()}
+    backlog = ({rid: load.prefill_tokens + sent.get(rid, nothing).tokens for rid, load in loads.items()} if bursting
+               else dict.fromkeys(loads, 0))
     fits = {rid: fit_class(load, headroom[rid], max(1, load.blocks_for(prompt_tokens, max_tokens)))
             for rid, load in loads.items()}
     order = sorted(loads, key=lambda rid: (backlog[rid], queue_lens[rid] + penalties.of(fits[rid]),

@@ -33,11 +33,11 @@ def role_of(cmdline: str) -> str:
 def _cpu_seconds(pid: int) -> tuple[str, float] | None:
     """(cmdline, user + system CPU seconds) of a live process, None when it is gone."""
     fields = proc_stat_fields(pid)
+    if fields is None:
+        return None
     try:
         cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
     except OSError:
-        fields = None
-    if fields is None:
         return None
     return cmdline, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: stat's 14, 15
 
