@@ -139,3 +139,16 @@ def test_the_fleet_goal_needs_fewer_misses_and_fewer_quantized_layer_seconds():
     assert fleet_goal({FLEET_BASELINE: row(10, 50.0), FLEET_PRESSURE: row(4, 20.0)}).endswith("-> REACHED")
     assert fleet_goal({FLEET_BASELINE: row(10, 50.0), FLEET_PRESSURE: row(4, 60.0)}).endswith("-> not reached")
     assert fleet_goal({FLEET_BASELINE: row(10, 50.0)}).endswith("n/a (missing runs)")
+
+
+def test_the_fleet_goal_repeat_by_repeat_counts_pairs_and_tests_their_signs():
+    from ops.bench.goals import FleetPair, fleet_pairs_line, sign_test_p
+
+    assert sign_test_p(0, 0) == 1.0 and sign_test_p(3, 3) == 1.0
+    assert sign_test_p(5, 0) == sign_test_p(0, 5) == 2 / 32  # all five one way: 2 x (1/2)^5
+    assert abs(sign_test_p(8, 2) - 2 * (1 + 10 + 45) / 1024) < 1e-12
+    pairs = [FleetPair((17, 1), (180.0, 110.0)), FleetPair((10, 12), (142.0, 132.0)), FleetPair((0, 0), (130.0, 96.0)),
+             FleetPair((4, 10), (154.0, None))]
+    line = fleet_pairs_line(pairs)
+    assert "(4 pairs): SLO misses fewer in 1, more in 2, equal in 1 (two-sided sign test p = 1)" in line
+    assert "quantized layer-seconds fewer in 3 of 3 (p = 0.25)" in line

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import int4_amx_op, int4_amx_reason, int4_avx512_op, int4_avx512_reason
+from engine.kernels import bf16_avx512_op, int4_amx_op, int4_amx_reason, int4_avx512_op, int4_avx512_reason
+from engine.layers.packed import unpack_vnni
 from engine.morph.actions import SwapLayer
 from engine.precision import Precision
 from engine.quant import Int4Linear, quantize_int4
@@ -78,3 +79,29 @@ def test_int4_layers_are_batch_invariant_with_amx_from_one_row(tiny_model_dir, t
     prompts = mixed_prompts(n=8, seed=5)
     alone = {rid: generate(engine, {rid: p})[rid] for rid, p in prompts.items()}
     assert generate(engine, prompts) == alone
+
+
+def test_from_256_rows_the_avx512_op_multiplies_by_its_weight_dequantized_to_bf16():
+    """Prefill chunks (>= kVnniGemmRows rows): the weight dequantized to bf16 in the vnni32 layout, through the
+    bf16 op's brgemm route; each dequantized weight is the tile path's own weight rounded to bf16."""
+    if int4_avx512_reason() is not None:
+        pytest.skip(f"INT4 avx512 op: {int4_avx512_reason()}")
+    torch.manual_seed(3)
+    k = 192
+    i4 = Int4Linear(quantize_int4(torch.randn(128, k) * 0.05, 64))
+    op = int4_avx512_op()
+    deq = torch.ops.morphserve.int4_avx512_dequant(i4.packed, i4.group_size, i4.scales_and_zeros, k)
+    assert deq.shape == (128 // 32, k // 2, 32, 2) and deq.dtype == torch.bfloat16
+    # the tile path on the identity gives every weight in fp32 (then rounded to bf16 once, like the dequant)
+    per_weight = op(torch.eye(k, dtype=torch.bfloat16), i4.packed, i4.group_size, i4.scales_and_zeros).t()
+    torch.testing.assert_close(unpack_vnni(deq).float(), per_weight.float(), rtol=2 ** -8, atol=1e-6)
+    x = torch.randn(300, k).to(torch.bfloat16)
+    y = op(x, i4.packed, i4.group_size, i4.scales_and_zeros)
+    assert torch.equal(y, bf16_avx512_op()(x, deq, None))
+    ref = x.double() @ unpack_vnni(deq).double().t()
+    assert (y.double() - ref).abs().max().item() <= 0.01 * ref.abs().max().item()
+    # below 256 rows: the tile path, row-invariant as before
+    tiles = op(x[:255], i4.packed, i4.group_size, i4.scales_and_zeros)
+    assert torch.equal(tiles[:7], op(x[:7], i4.packed, i4.group_size, i4.scales_and_zeros))
+    with pytest.raises(RuntimeError, match="in_features|columns"):
+        torch.ops.morphserve.int4_avx512_dequant(i4.packed, i4.group_size, i4.scales_and_zeros, k + 64)

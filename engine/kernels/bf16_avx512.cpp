@@ -8,11 +8,12 @@
 // block once, in order. Measured on a 2-core EPYC (30 layers' four weight shapes, distinct weights per
 // layer, interleaved): 0.53-0.85x oneDNN's time at 1-32 rows, 0.83x at 64.
 //
-// Below kGemmRows rows the rows go in tiles of up to kTileRows (2 x kTileRows fp32 accumulators stay in
-// registers); a block is re-read from L2 for each tile, and more than kChunkRows rows go in chunks so a
-// chunk of x and a block of W both stay in L2. Every output is one fp32 sum over k in order, whatever the
-// row count or the row's place in its tile (batch-invariant), rounded to bf16 once, after the bias.
-// From kGemmRows rows (prefill chunks) the weights are reused across many rows and ATen's brgemm runs.
+// Below kVnniGemmRows rows (bf16_vnni.h) the rows go in tiles of up to kTileRows (2 x kTileRows fp32
+// accumulators stay in registers); a block is re-read from L2 for each tile, and more than kChunkRows rows
+// go in chunks so a chunk of x and a block of W both stay in L2. Every output is one fp32 sum over k in
+// order, whatever the row count or the row's place in its tile (batch-invariant), rounded to bf16 once,
+// after the bias.
+// From kVnniGemmRows rows (prefill chunks) the weights are reused across many rows and ATen's brgemm runs.
 // Compiled only where the compiler targets AVX512-BF16 (-march=native).
 #if defined(__AVX512BF16__)
 #include <ATen/ATen.h>
@@ -34,8 +35,6 @@ constexpr int64_t kBlockN = morphserve::kVnniBlockN;  // columns per packed bloc
 constexpr int64_t kTileRows = 12;   // rows per register tile: 24 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kChunkRows = 96;  // rows per work item above one tile's worth (x chunk stays in L2)
 constexpr int64_t kPrefetchPairs = 16;  // pair-rows (128 B each) ahead
-// From this many rows, brgemm: 0.95-0.98x oneDNN's time at 256-4,096 rows where the tiles took 1.03-1.06x.
-constexpr int64_t kGemmRows = 256;
 
 // c[R][32] fp32 = rows [0, R) of x (ld K) . one packed block (K/2 pair-rows x 32 columns x 2).
 template <int R>
@@ -75,7 +74,7 @@ at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, con
   const BF* wp = packed.data_ptr<BF>();
   const float* bp = c.bp();
   BF* yp = c.yp();
-  if (M >= kGemmRows) {
+  if (M >= morphserve::kVnniGemmRows) {
     morphserve::vnni_gemm_rows(xp, M, K, N, wp, bp, yp);
     return c.y;
   }

@@ -19,6 +19,10 @@ namespace morphserve {
 
 constexpr int64_t kVnniBlockN = 32;      // columns per packed block
 constexpr int64_t kVnniGemmChunk = 256;  // rows per brgemm call (the x chunk stays in L2)
+// From this many rows (prefill chunks) the AVX512-BF16 linears (bf16_avx512.cpp, and int4_avx512.cpp on
+// its dequantized weight) take brgemm: 0.95-0.98x oneDNN's time at 256-4,096 rows on a 2-core EPYC where
+// register tiles took 1.03-1.06x. Below it their outputs are row-invariant.
+constexpr int64_t kVnniGemmRows = 256;
 
 // One call's operands, checked: x contiguous, the bias as fp32 (undefined when there is none), y allocated.
 struct VnniCall {

@@ -11,7 +11,7 @@
 // ops) right before its dot products: R rows x 64 columns of fp32 partial sums per group, one broadcast
 // of an (x[k], x[k+1]) pair per row and four vdpbf16ps per pair of k. Products are exact (bf16 x small
 // integer) and each group's scale and offset are applied in fp32. A row's output depends only on its
-// own row (batch-invariant), and is bit-identical to the earlier versions'.
+// own row (batch-invariant below kVnniGemmRows rows: see below), bit-identical to the earlier versions'.
 // History (SmolLM2's four shapes, 30 copies, 2 threads, Zen 4, interleaved against the engine's bf16
 // linears): decoding a whole 64-column block into an L2 buffer first, reading the codes only then:
 // 0.6-0.8x the bf16 time at 1 row, 1.3-1.35x at 16; group by group into an L1 buffer with the codes two
@@ -22,6 +22,14 @@
 // row up (int4_kernel.resolve_int4_min_rows). What is left at 16 rows: the per-group scaling (two fp32
 // FMAs per accumulator per group, ~6% of the dot products at a group of 64) and the decoding's share
 // of the vector ports, on top of the same dot products as the bf16 op, which runs near their peak there.
+// From kVnniGemmRows rows (prefill chunks; bf16_vnni.h) each thread dequantizes one 32-column block at a
+// time into bf16 in the vnni32 layout and runs the bf16 op's brgemm on it (gemm_dequantized): decoding is
+// paid once for hundreds of rows, and brgemm on bf16 weights skips the tiles' per-group fp32 scaling.
+// SmolLM2's four shapes summed, 256-2,048 rows, 1 and 2 threads, Zen 4, interleaved: the tiles took
+// 1.13-1.17x the bf16 linears' time, this route 0.99-1.04x; a 512-token prefill chunk with 15 / 30 INT4
+// layers went from 1.055x / 1.113x the bf16 chunk's time to 1.007x / 0.972x (1 thread). That route rounds
+// each weight to bf16 (as AWQ's GEMM kernels and vLLM's AWQ path from 256 tokens do), so, as with the bf16
+// op, a row's bits are the same at every row count below kVnniGemmRows and may differ from there.
 // Compiled only where the compiler targets AVX512-BF16 + AVX512-VBMI (-march=native).
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <ATen/ATen.h>
@@ -34,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_vnni.h"
 #include "int4_codes.h"
 
 namespace {
@@ -89,21 +98,117 @@ struct Scratch {
   void* p;
 };
 
-at::Tensor int4_avx512_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& sz) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be bf16 [M, K] on the CPU");
+// A thread's [groups][64] scales and offsets of one 64-column block (int4_block_scales), kept while its
+// consecutive work items read the same block.
+struct BlockScales {
+  BlockScales(const BF* sz, int64_t N, int64_t groups)
+      : sz(sz), N(N), groups(groups), buf(2 * groups * kInt4BlockN * sizeof(float)) {}
+  void load(int64_t nb) {
+    if (nb != of) morphserve::int4_block_scales(sz, N, nb, groups, scale(), offset()), of = nb;
+  }
+  float* scale() const { return buf.as<float>(); }
+  float* offset() const { return scale() + groups * kInt4BlockN; }
+  const BF* sz;
+  int64_t N, groups;
+  Scratch buf;
+  int64_t of = -1;  // the block held
+};
+
+// 32-column block b of the weight (columns 32 b .., half b % 2 of the int4pack layout's 64-column block
+// b / 2) -> bf16 w = code * s + (zp - 8 s) in the vnni32 layout ([K/2][32][2], engine/layers/packed.py) at
+// `out`: each pair of rows' codes decoded as for the tiles, (128 + code) * s + offset in fp32 (one
+// rounding), then rounded to bf16 once. `scales` holds block b / 2's.
+void dequant_block32(const uint8_t* packed, int64_t K, int64_t G, int64_t b, const BlockScales& scales, BF* out,
+                     const morphserve::Int4PairDecoder& dec) {
+  const float *scale = scales.scale(), *offset = scales.offset();
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  alignas(64) int16_t order[32];  // cvtne2ps_pbh gives [row k x 16, row k + 1 x 16] -> (row k, row k + 1) pairs
+  for (int j = 0; j < 16; ++j) order[2 * j] = j, order[2 * j + 1] = 16 + j;
+  const __m512i pairs = _mm512_load_si512(order);
+  const uint8_t* block = packed + (b / 2) * K * 32;
+  const int q0 = 2 * (b % 2);  // the decoder's column vectors q0, q0 + 1 hold this half
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m512bh w[4];
+    dec.decode(block + p * 64, w);
+    const int64_t g = 2 * p / G;
+    for (int h = 0; h < 2; ++h) {
+      const int q = q0 + h;
+      const __m512 s = _mm512_load_ps(scale + g * kInt4BlockN + 16 * q);
+      const __m512 o = _mm512_load_ps(offset + g * kInt4BlockN + 16 * q);
+      const __m512 even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32((__m512i)w[q], 16)), s, o);
+      const __m512 odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512((__m512i)w[q], high_half)), s, o);
+      _mm512_storeu_si512(out + p * 2 * morphserve::kVnniBlockN + h * morphserve::kVnniBlockN,
+                          _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
+    }
+  }
+}
+
+// From kVnniGemmRows rows: each thread dequantizes one 32-column block at a time into an L2-sized buffer
+// and runs brgemm on it for every 256-row chunk of x, so no bf16 copy of the whole weight is ever made.
+void gemm_dequantized(const BF* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, int64_t G, const BF* sz, BF* y) {
+  constexpr int64_t kB = morphserve::kVnniBlockN, kChunk = morphserve::kVnniGemmChunk;
+  at::parallel_for(0, N / kB, 1, [&](int64_t begin, int64_t end) {
+    BlockScales scales(sz, N, K / G);
+    const morphserve::Int4PairDecoder dec;
+    const Scratch w(K * kB * sizeof(BF)), c(kChunk * kB * sizeof(float));  // 36-96 KB of weights for SmolLM2
+    for (int64_t b = begin; b < end; ++b) {
+      scales.load(b / 2);
+      dequant_block32(packed, K, G, b, scales, w.as<BF>(), dec);
+      for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+        const int64_t rows = std::min(kChunk, M - m0);
+        at::native::cpublas::brgemm(rows, kB, K, K, kB, kB, false, x + m0 * K, w.as<BF>(), c.as<float>());
+        morphserve::vnni_store_rows(c.as<float>(), rows, nullptr, y + m0 * N + b * kB, N);
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+void check_weight(const at::Tensor& packed, int64_t group_size, const at::Tensor& sz, int64_t K) {
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 && sz.size(2) == 2 && sz.is_contiguous(),
               "scales_and_zeros must be contiguous bf16 [K/G, N, 2]");
-  const int64_t M = x.size(0), K = x.size(1), N = sz.size(1);
+  const int64_t N = sz.size(1);
+  TORCH_CHECK(group_size > 0 && sz.size(0) * group_size == K, "the weight has ", sz.size(0) * group_size,
+              " in_features (scales_and_zeros' groups x group_size), not ", K);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == N * K / 2 && packed.is_contiguous(),
               "packed must be int4pack uint8 [N, K/2]");
-  TORCH_CHECK(group_size > 0 && sz.size(0) * group_size == K, "x has ", K, " columns, the weight ", sz.size(0) * group_size);
   TORCH_CHECK(N % kInt4BlockN == 0 && group_size % 16 == 0,
               "unsupported shape: N must be a multiple of 64, the group size a multiple of 16");
+}
+
+// The weight as bf16 in the vnni32 layout, as gemm_dequantized multiplies by it; for tests and tools.
+// K: the weight's in_features.
+at::Tensor int4_avx512_dequant(const at::Tensor& packed, int64_t group_size, const at::Tensor& sz, int64_t K) {
+  check_weight(packed, group_size, sz, K);
+  const int64_t N = sz.size(1);
+  auto out = at::empty({N / morphserve::kVnniBlockN, K / 2, morphserve::kVnniBlockN, 2}, sz.options());
+  const auto* pp = packed.data_ptr<uint8_t>();
+  BF* op = out.data_ptr<BF>();
+  at::parallel_for(0, N / morphserve::kVnniBlockN, 1, [&](int64_t begin, int64_t end) {
+    BlockScales scales(sz.data_ptr<BF>(), N, K / group_size);
+    const morphserve::Int4PairDecoder dec;
+    for (int64_t b = begin; b < end; ++b) {
+      scales.load(b / 2);
+      dequant_block32(pp, K, group_size, b, scales, op + b * K * morphserve::kVnniBlockN, dec);
+    }
+  });
+  return out;
+}
+
+at::Tensor int4_avx512_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size, const at::Tensor& sz) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "x must be bf16 [M, K] on the CPU");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_weight(packed, group_size, sz, K);
+  const int64_t N = sz.size(1);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const int64_t G = group_size, groups = K / G;
   const auto xc = x.contiguous();
   const BF* xp = xc.data_ptr<BF>();
+  if (M >= morphserve::kVnniGemmRows) {
+    gemm_dequantized(xp, M, K, N, packed.data_ptr<uint8_t>(), G, sz.data_ptr<BF>(), y.data_ptr<BF>());
+    return y;
+  }
   std::vector<float> xsum(M * groups);  // X_g[m]
   morphserve::int4_group_sums(xp, M, K, G, xsum.data());
   const auto* pp = packed.data_ptr<uint8_t>();
@@ -117,26 +222,24 @@ at::Tensor int4_avx512_mm(const at::Tensor& x, const at::Tensor& packed, int64_t
   constexpr int64_t kChunkTiles = kChunkRows / kTileRows;
   const int64_t full_chunks = tiles / kChunkTiles, last_tiles = tiles % kChunkTiles;
   at::parallel_for(0, (full_chunks * kChunkTiles + last_tiles) * blocks, 1, [&](int64_t begin, int64_t end) {
-    const Scratch scales(2 * groups * kInt4BlockN * sizeof(float));
+    BlockScales scales(szp, N, groups);
     const morphserve::Int4PairDecoder dec;
-    float* scale = scales.as<float>();  // [groups][64] scale, then offset
-    float* offset = scale + groups * kInt4BlockN;
     alignas(64) float acc[kTileRows * kInt4BlockN];
-    int64_t scales_of = -1;  // the block `scales` holds
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i / (kChunkTiles * blocks), in_chunk = i % (kChunkTiles * blocks);
       const int64_t chunk_tiles = chunk < full_chunks ? kChunkTiles : last_tiles;
       const int64_t nb = in_chunk / chunk_tiles, m0 = (chunk * kChunkTiles + in_chunk % chunk_tiles) * kTileRows;
       const int64_t rows = std::min(kTileRows, M - m0);
-      if (scales_of != nb) morphserve::int4_block_scales(szp, N, nb, groups, scale, offset), scales_of = nb;
+      scales.load(nb);
       std::fill(acc, acc + rows * kInt4BlockN, 0.f);
       const uint8_t* block = pp + nb * K * 32;
       for (int64_t g = 0; g < groups; ++g) {
         // Codes kPrefetchGroups groups on (maybe in the next block; near the end, the weight's last group),
         // read while this tile computes: later groups and the block's other tiles then find them in cache.
         const uint8_t* ahead = pp + std::min(nb * K * 32 + (g + kPrefetchGroups) * G * 32, N * K / 2 - G * 32);
-        tile_rows(rows, xp + m0 * K + g * G, K, block + g * G * 32, G, scale + g * kInt4BlockN, offset + g * kInt4BlockN,
-                  xsum.data() + m0 * groups + g, groups, acc, ahead, dec, std::make_integer_sequence<int, kTileRows>{});
+        tile_rows(rows, xp + m0 * K + g * G, K, block + g * G * 32, G, scales.scale() + g * kInt4BlockN,
+                  scales.offset() + g * kInt4BlockN, xsum.data() + m0 * groups + g, groups, acc, ahead, dec,
+                  std::make_integer_sequence<int, kTileRows>{});
       }
       for (int64_t m = 0; m < rows; ++m) {
         BF* o = yp + (m0 + m) * N + nb * kInt4BlockN;
@@ -152,6 +255,10 @@ at::Tensor int4_avx512_mm(const at::Tensor& x, const at::Tensor& packed, int64_t
 
 TORCH_LIBRARY_FRAGMENT(morphserve, m) {
   m.def("int4_avx512_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
+  m.def("int4_avx512_dequant(Tensor packed, int group_size, Tensor scales_and_zeros, int in_features) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(morphserve, CPU, m) { m.impl("int4_avx512_mm", &int4_avx512_mm); }
+TORCH_LIBRARY_IMPL(morphserve, CPU, m) {
+  m.impl("int4_avx512_mm", &int4_avx512_mm);
+  m.impl("int4_avx512_dequant", &int4_avx512_dequant);
+}
 #endif  // AVX512-BF16 + AVX512-VBMI

@@ -22,8 +22,10 @@ kernel has no AMX path, and from a few rows up it is slower than the packed bf16
 turns each call's codes into bf16 once (a byte shuffle, no float math per weight) and pads the rows to
 a 16-row tile, which costs more than torch's kernel at 1-4 rows, so its default threshold is
 AMX_TILE_MIN_ROWS; the AVX512-BF16 op decodes in registers and beats torch's kernel from one row, so
-its default threshold is 1 (`resolve_int4_min_rows`, EngineConfig.int4_amx_min_rows='auto'). Both are
-row-invariant (a row's output does not depend on the other rows), but they round differently from
+its default threshold is 1 (`resolve_int4_min_rows`, EngineConfig.int4_amx_min_rows='auto'); from 256 rows
+(prefill chunks) the AVX512-BF16 op multiplies by the weight dequantized to bf16 block by block through
+brgemm, as the bf16 linears do there (INT4 prefill at the bf16 linears' speed instead of 1.13-1.17x). Both are
+row-invariant below 256 rows (a row's output does not depend on the other rows), but they round differently from
 torch's kernel (last bf16 bit), so with a threshold above 1 a request's INT4 outputs can differ with
 the number of rows in the step when it crosses it (as the packed bf16 linear's already do: oneDNN
 picks its kernel by row count). A threshold of 1 gives INT4 layers exact batch invariance.

@@ -8,7 +8,8 @@ agreement static FP itself loses to batching noise is not charged to anyone; red
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import math
+from typing import Mapping, Sequence
 
 from ops.bench.metrics import Spread
 from ops.bench.systems import FLEET_BASELINE, FLEET_PRESSURE, STATIC_FP, STATIC_INT4, VLLM
@@ -63,6 +64,37 @@ def fleet_goal(table) -> str:
     ttft = f"; P95 TTFT {bp95:.3g} s -> {p95:.3g} s" if None not in (p95, bp95) else ""
     return (f"{head}: SLO misses {bmiss:g} -> {miss:g}, quantized layer-seconds {bqls:.1f} -> {qls:.1f}{ttft} "
             f"-> {_verdict(ok)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetPair:
+    """One repeat of the two fleet systems, which the interleaved schedule runs back to back."""
+    misses: tuple[int, int]  # SLO misses: (Serve's router + local policies, fleet controller + pressure router)
+    layer_s: tuple[float | None, float | None]  # quantized layer-seconds, the same order
+
+
+def fleet_pairs_line(pairs: Sequence[FleetPair]) -> str:
+    """The fleet goal repeat by repeat. A shared machine's speed drifts between repeats and moves both
+    runs of a pair alike (SLO misses ranged 0-17 over one system's five repeats), so the count of pairs
+    each way, with a two-sided sign test over the unequal ones, says whether a difference of medians is
+    more than that drift."""
+    fewer = sum(fleet < base for base, fleet in (p.misses for p in pairs))
+    more = sum(fleet > base for base, fleet in (p.misses for p in pairs))
+    scored = [p.layer_s for p in pairs if None not in p.layer_s]
+    fewer_ls = sum(fleet < base for base, fleet in scored)
+    return (f"fleet, paired by repeat ({len(pairs)} pairs): SLO misses fewer in {fewer}, more in {more}, equal in "
+            f"{len(pairs) - fewer - more} (two-sided sign test p = {sign_test_p(fewer, more):.2g}); quantized "
+            f"layer-seconds fewer in {fewer_ls} of {len(scored)} "
+            f"(p = {sign_test_p(fewer_ls, len(scored) - fewer_ls):.2g})")
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven if either way were equally likely."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def _reaction(table, system) -> str:

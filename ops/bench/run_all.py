@@ -32,12 +32,13 @@ from ops.bench.loadgen import load_requests, reference_answers
 from ops.bench.probe import measure
 from ops.bench.prompts import build_prompts
 from ops.bench.reaction import engine_blocked_waits, reaction_times
-from ops.bench.report import BenchResults, BenchSettings, SystemRun, build_report, score_quality, summarize
+from ops.bench.report import (BenchResults, BenchSettings, SystemRun, build_report, run_metrics, score_quality,
+                              summarize)
 from ops.bench.run_one import REPO, RunContext, run_system
 from ops.bench.server_process import ServerStartError
-from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_REPLICAS, FLEET_SYSTEMS, QUICK_SYSTEMS, STATIC_FP,
-                               STATIC_INT4, ModelFacts, fleet_note, fleet_systems, interleaved_schedule, plan_budget,
-                               system_specs, vllm_block_size, vllm_kv_tokens)
+from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_BASELINE, FLEET_PRESSURE, FLEET_REPLICAS, FLEET_SYSTEMS,
+                               QUICK_SYSTEMS, STATIC_FP, STATIC_INT4, ModelFacts, fleet_note, fleet_systems,
+                               interleaved_schedule, plan_budget, system_specs, vllm_block_size, vllm_kv_tokens)
 from ops.bench.traces import load_trace
 from ops.bench.workload import build_workload
 
@@ -232,8 +233,22 @@ def _write(out: Path, runs, failures, info: _ReportInfo):
     results = BenchResults(settings=settings, runs=scored)
     notes = (*cfg.notes(), *([info.extra_note] if info.extra_note else []),
              *[f"failed run: {f}" for f in failures])
-    settings = dataclasses.replace(settings, notes=notes, goals=tuple(goal_lines(summarize(results))))
+    goals = goal_lines(summarize(results)) + _fleet_pairs_lines(results)
+    settings = dataclasses.replace(settings, notes=notes, goals=tuple(goals))
     return build_report(dataclasses.replace(results, settings=settings), out)
+
+
+def _fleet_pairs_lines(results: BenchResults) -> list[str]:
+    """goals.fleet_pairs_line over the repeats both fleet systems completed; none without both."""
+    from ops.bench.goals import FleetPair, fleet_pairs_line
+
+    slo = results.settings.slo_ttft_s
+    base = {r.repeat: r for r in results.runs_of(FLEET_BASELINE)}
+    fleet = {r.repeat: r for r in results.runs_of(FLEET_PRESSURE)}
+    pairs = [FleetPair((run_metrics(base[i], slo).slo_violations, run_metrics(fleet[i], slo).slo_violations),
+                       (base[i].quantized_layer_s, fleet[i].quantized_layer_s))
+             for i in sorted(base.keys() & fleet.keys())]
+    return [fleet_pairs_line(pairs)] if pairs else []
 
 
 def _tokenizer(hf_dir: Path):
