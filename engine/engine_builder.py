@@ -34,6 +34,7 @@ from engine.morph.setup import prepare_morphing
 from engine.precision import Precision, full_precision_for
 from engine.quant.dispatch import AmxDispatch, set_amx_dispatch
 from engine.quant.int4_kernel import resolve_int4_min_rows
+from engine.quant.int8 import resolve_int8_min_rows
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -67,7 +68,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         torch.set_num_threads(config.num_threads)
     # process-wide, like the thread count (quant/dispatch.py)
     set_amx_dispatch(AmxDispatch(int4_min_rows=resolve_int4_min_rows(config.int4_amx_min_rows),
-                                 int8_min_rows=config.int8_amx_min_rows))
+                                 int8_min_rows=resolve_int8_min_rows(config.int8_amx_min_rows)))
     loaded = load_model(config.model, config.torch_dtype, config.device, config.cache_path)
     mc, model = loaded.config, loaded.model
     if config.pack_lm_head and packing_available(model.dtype, config.device):  # before the plan: its bytes count

@@ -86,3 +86,16 @@ def _end_process(status: int) -> None:
 
 
 _EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.fixture
+def threshold(request):
+    """Sets the process-wide row threshold of the test module's quantized rung (its `RUNG`: "int4" or "int8";
+    quant/dispatch.py) and puts the previous record back after the test."""
+    from engine.quant.dispatch import amx_dispatch, set_amx_dispatch, update_amx_dispatch
+
+    field = f"{request.module.RUNG}_min_rows"
+    before = amx_dispatch()
+    yield lambda rows: update_amx_dispatch(**{field: rows})
+    set_amx_dispatch(before)
+

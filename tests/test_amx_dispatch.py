@@ -49,13 +49,27 @@ def test_auto_int4_threshold_follows_the_tile_op(monkeypatch):
     assert resolve_int4_min_rows("auto") == 1
 
 
-def test_engine_config_takes_auto_a_row_count_or_none():
+def test_auto_int8_threshold_follows_the_tile_op(monkeypatch):
+    """'auto': the AMX op from one row, the AVX512-BF16 op (which converts each call's codes) from 8; numbers
+    and None stay."""
+    import engine.kernels as kernels
+    from engine.quant.int8 import AVX512_TILE_MIN_ROWS, resolve_int8_min_rows
+
+    assert resolve_int8_min_rows(3) == 3 and resolve_int8_min_rows(None) is None
+    monkeypatch.setattr(kernels, "int8_amx_op", lambda: object())
+    assert resolve_int8_min_rows("auto") == 1
+    monkeypatch.setattr(kernels, "int8_amx_op", lambda: None)
+    assert resolve_int8_min_rows("auto") == AVX512_TILE_MIN_ROWS == 8
+
+
+@pytest.mark.parametrize("name", ["int4_amx_min_rows", "int8_amx_min_rows"])
+def test_engine_config_takes_auto_a_row_count_or_none(name):
     from engine.config import EngineConfig
 
-    assert EngineConfig().int4_amx_min_rows == "auto"
-    assert EngineConfig(int4_amx_min_rows=4).int4_amx_min_rows == 4
-    assert EngineConfig(int4_amx_min_rows=None).int4_amx_min_rows is None
+    assert getattr(EngineConfig(), name) == "auto"
+    assert getattr(EngineConfig(**{name: 4}), name) == 4
+    assert getattr(EngineConfig(**{name: None}), name) is None
     with pytest.raises(ValueError):
-        EngineConfig(int4_amx_min_rows=0)
+        EngineConfig(**{name: 0})
     with pytest.raises(ValueError):
-        EngineConfig(int4_amx_min_rows="often")
+        EngineConfig(**{name: "often"})

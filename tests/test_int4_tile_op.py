@@ -15,7 +15,7 @@ from engine.precision import Precision
 from engine.quant import Int4Linear, quantize_int4
 from engine.quant.fused import fuse_quantized
 from engine.quant.int4_kernel import int4_tile_op
-from engine.quant.dispatch import amx_dispatch, set_amx_dispatch, update_amx_dispatch
+from engine.quant.dispatch import amx_dispatch
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
 from tests.kernel_dispatch import assert_dispatch_by_rows
@@ -24,12 +24,7 @@ pytestmark = pytest.mark.skipif(int4_tile_op() is None,
                                 reason=f"INT4 tile op: {int4_amx_reason()}; {int4_avx512_reason()}")
 
 
-@pytest.fixture
-def threshold():
-    """Restores the process-wide INT4 dispatch threshold a test changes."""
-    before = amx_dispatch()
-    yield lambda rows: update_amx_dispatch(int4_min_rows=rows)
-    set_amx_dispatch(before)
+RUNG = "int4"  # the rung whose row threshold the `threshold` fixture (conftest.py) sets
 
 
 @pytest.mark.parametrize("name", ["amx", "avx512"])

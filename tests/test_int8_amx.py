@@ -13,7 +13,7 @@ from engine.precision import Precision
 from engine.quant import Int8Linear, quantize_int8
 from engine.quant.fused import fuse_quantized
 from engine.quant.awq import LayerWeights
-from engine.quant.dispatch import amx_dispatch, set_amx_dispatch, update_amx_dispatch
+from engine.quant.dispatch import amx_dispatch
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
 from tests.kernel_dispatch import assert_dispatch_by_rows
@@ -22,12 +22,7 @@ pytestmark = pytest.mark.skipif(int8_amx_reason() is not None, reason=f"INT8 AMX
 BF16_UNIT = 2.0 ** -8  # relative rounding of one bf16 value
 
 
-@pytest.fixture
-def threshold():
-    """Restores the process-wide INT8 dispatch threshold a test changes."""
-    before = amx_dispatch()
-    yield lambda rows: update_amx_dispatch(int8_min_rows=rows)
-    set_amx_dispatch(before)
+RUNG = "int8"  # the rung whose row threshold the `threshold` fixture (conftest.py) sets
 
 
 @pytest.mark.parametrize("n, k", [(16, 64), (48, 128), (80, 64), (576, 576), (192, 1536)])

@@ -1,7 +1,8 @@
 """ops/bench/quant_kernels: every candidate computes the same linear (within its quantization error) and the
 report has what the publication needs; the engine's INT4 and INT8 AMX ops (built once by `make kernels`) are
-candidates where the library is built and the CPU has AMX-BF16 (else skipped, saying why; tests/test_int4_tile_op.py
-and tests/test_int8_amx.py test the ops themselves)."""
+candidates where the library is built and the CPU has AMX-BF16 (else skipped, saying why), its INT4 / INT8 tile ops
+(AMX's or AVX512-BF16's) wherever either runs (tests/test_int4_tile_op.py, tests/test_int8_amx.py and
+tests/test_int8_avx512.py test the ops themselves)."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,12 @@ import torch
 
 from engine.kernels import int4_amx_reason, int8_amx_reason
 from engine.quant.int4_kernel import int4_tile_op
+from engine.quant.int8 import int8_tile_op
 from ops.bench import quant_kernels as qk
 
 SMALL = [(128, 192)]  # in x out: 2 groups of 64, 3 column blocks of 64
-ENGINE = {"bf16_engine"} | ({"int4_tile"} if int4_tile_op() is not None else set())  # the engine's own paths
+ENGINE = ({"bf16_engine"} | ({"int4_tile"} if int4_tile_op() is not None else set())  # the engine's own paths
+          | ({"int8_tile"} if int8_tile_op() is not None else set()))
 _no_amx = int4_amx_reason() or int8_amx_reason()
 needs_amx = pytest.mark.skipif(_no_amx is not None, reason=f"AMX ops: {_no_amx}")
 needs_bf16 = pytest.mark.skipif(qk.baseline_reason() is not None, reason=f"{qk.baseline_reason()}")
@@ -25,8 +28,9 @@ def _check_cells(cells: list[dict], names: set[str]) -> None:
         err = cell["rel_error"]
         assert err[qk.BASELINE] < 0.01 and err.get("bf16_plain", 0.0) < 0.01
         assert err.get("int8_pack_mm", 0.0) < 0.03 and err.get("int8_onednn_dynamic", 0.0) < 0.05
-        assert err.get("int8_amx", 0.0) < 0.03 and err.get("bf16_engine", 0.0) < 0.01
-        for name in names - {qk.BASELINE, "bf16_plain", "bf16_engine", "int8_pack_mm", "int8_onednn_dynamic", "int8_amx"}:
+        assert err.get("int8_amx", 0.0) < 0.03 and err.get("int8_tile", 0.0) < 0.03 and err.get("bf16_engine", 0.0) < 0.01
+        int8 = {"int8_pack_mm", "int8_onednn_dynamic", "int8_amx", "int8_tile"}
+        for name in names - {qk.BASELINE, "bf16_plain", "bf16_engine"} - int8:
             assert err[name] < 0.25, (name, err[name])  # INT4 RTN on Gaussian weights: ~0.1
 
 

@@ -1,15 +1,16 @@
 """The engine's compiled CPU kernels (torch custom ops in one library built by `make`, see build.py).
 
 `paged_attention_op()` / `causal_attention_op()` / `elementwise_ops()` (`elementwise_ops_for(x)`) /
-`int4_amx_op()` / `int4_avx512_op()` / `int4_avx2_op()` / `int8_amx_op()` / `bf16_amx_op()` /
-`bf16_avx512_op()` / `argmax_op()` / `kv_write_op()` are the ops, or None when the library is not built
-or is older than its sources (the callers then use their torch-only path, and `available_reason()` says
-why). Some ops also need CPU features at run time and a library compiled for them (their sources are empty
-where the compiler does not target them): the AMX ops (int4_amx.cpp, int8_amx.cpp, bf16_amx.cpp) need AMX
-(BF16 for INT4 and bf16 linears, INT8 for INT8; int4_amx.cpp also AVX512-VBMI, which every AMX CPU has);
-the prefill attention op (causal_attention.cpp) and the bf16 AVX512 linear (bf16_avx512.cpp) need
-AVX512-BF16; the INT4 AVX512 op (int4_avx512.cpp) AVX512-BF16 + AVX512-VBMI; the INT4 AVX2 op
-(int4_avx2.cpp) AVX2 + FMA. The `*_reason()` of each says why not."""
+`int4_amx_op()` / `int4_avx512_op()` / `int4_avx2_op()` / `int8_amx_op()` / `int8_avx512_op()` /
+`bf16_amx_op()` / `bf16_avx512_op()` / `argmax_op()` / `kv_write_op()` are the ops, or None when the
+library is not built or is older than its sources (the callers then use their torch-only path, and
+`available_reason()` says why). Some ops also need CPU features at run time and a library compiled for
+them (their sources are empty where the compiler does not target them): the AMX ops (int4_amx.cpp,
+int8_amx.cpp, bf16_amx.cpp) need AMX (BF16 for INT4 and bf16 linears, INT8 for INT8; int4_amx.cpp also
+AVX512-VBMI, which every AMX CPU has); the prefill attention op (causal_attention.cpp), the bf16 AVX512
+linear (bf16_avx512.cpp) and the INT8 AVX512 op (int8_avx512.cpp) need AVX512-BF16; the INT4 AVX512 op
+(int4_avx512.cpp) AVX512-BF16 + AVX512-VBMI; the INT4 AVX2 op (int4_avx2.cpp) AVX2 + FMA. The `*_reason()`
+of each says why not."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "int4_amx.cpp", HERE / "int4_avx2.cpp", HERE / "int4_avx512.cpp",
            HERE / "mkldnn_blob.cpp", HERE / "int8_amx.cpp", HERE / "fused_elementwise.cpp", HERE / "causal_attention.cpp",
-           HERE / "bf16_amx.cpp", HERE / "bf16_avx512.cpp",
+           HERE / "bf16_amx.cpp", HERE / "bf16_avx512.cpp", HERE / "int8_avx512.cpp",
            HERE / "greedy.cpp", HERE / "kv_write.cpp")
 HEADERS = (HERE / "simd_math.h", HERE / "amx_tiles.h", HERE / "int4_codes.h", HERE / "bf16_vnni.h")  # included by the sources: a change rebuilds too
 LIBRARY = HERE / "_morphserve_kernels.so"
@@ -185,3 +186,14 @@ def int8_amx_reason() -> str | None:
 
 def int8_amx_op():
     return None if int8_amx_reason() else torch.ops.morphserve.int8_amx_mm
+
+
+def int8_avx512_reason() -> str | None:
+    """None when `torch.ops.morphserve.int8_avx512_mm` (vdpbf16ps on the codes converted to bf16, for CPUs with
+    AVX512-BF16 and no AMX-INT8) can run here, else why not."""
+    return _cpu_op_reason("int8_avx512_mm", ("avx512_bf16",), "INT8 layers use torch's _weight_int8pack_mm",
+                          tiles=False)
+
+
+def int8_avx512_op():
+    return None if int8_avx512_reason() else torch.ops.morphserve.int8_avx512_mm

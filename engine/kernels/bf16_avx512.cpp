@@ -8,11 +8,11 @@
 // block once, in order. Measured on a 2-core EPYC (30 layers' four weight shapes, distinct weights per
 // layer, interleaved): 0.53-0.85x oneDNN's time at 1-32 rows, 0.83x at 64.
 //
-// Below kVnniGemmRows rows (bf16_vnni.h) the rows go in tiles of up to kTileRows (2 x kTileRows fp32
-// accumulators stay in registers); a block is re-read from L2 for each tile, and more than kChunkRows rows
-// go in chunks so a chunk of x and a block of W both stay in L2. Every output is one fp32 sum over k in
-// order, whatever the row count or the row's place in its tile (batch-invariant), rounded to bf16 once,
-// after the bias.
+// Below kVnniGemmRows rows (bf16_vnni.h) the rows go in register tiles of up to kVnniTileRows (vnni_tiles:
+// 2 x kVnniTileRows fp32 accumulators stay in registers); a block is re-read from L2 for each tile, and
+// more than kChunkRows rows go in chunks so a chunk of x and a block of W both stay in L2. Every output is
+// one fp32 sum over k in order, whatever the row count or the row's place in its tile (batch-invariant),
+// rounded to bf16 once, after the bias.
 // From kVnniGemmRows rows (prefill chunks) the weights are reused across many rows and ATen's brgemm runs.
 // Compiled only where the compiler targets AVX512-BF16 (-march=native).
 #if defined(__AVX512BF16__)
@@ -23,8 +23,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <utility>
-#include <vector>
 
 #include "bf16_vnni.h"
 
@@ -32,39 +30,7 @@ namespace {
 
 using BF = at::BFloat16;
 constexpr int64_t kBlockN = morphserve::kVnniBlockN;  // columns per packed block
-constexpr int64_t kTileRows = 12;   // rows per register tile: 24 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kChunkRows = 96;  // rows per work item above one tile's worth (x chunk stays in L2)
-constexpr int64_t kPrefetchPairs = 16;  // pair-rows (128 B each) ahead
-
-// c[R][32] fp32 = rows [0, R) of x (ld K) . one packed block (K/2 pair-rows x 32 columns x 2).
-template <int R>
-void tile(const BF* x, int64_t K, const BF* w, float* c) {
-  __m512 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  const auto* xp = reinterpret_cast<const int32_t*>(x);  // one int32 = an (x[2p], x[2p + 1]) pair
-  const int64_t pairs = K / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const BF* b = w + p * 2 * kBlockN;
-    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchPairs * 2 * kBlockN), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchPairs * 2 * kBlockN + kBlockN), _MM_HINT_T0);
-    const auto w0 = (__m512bh)_mm512_loadu_si512(b);            // columns 0-15 of this pair-row
-    const auto w1 = (__m512bh)_mm512_loadu_si512(b + kBlockN);  // columns 16-31
-    for (int r = 0; r < R; ++r) {
-      const auto a = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
-      lo[r] = _mm512_dpbf16_ps(lo[r], a, w0);
-      hi[r] = _mm512_dpbf16_ps(hi[r], a, w1);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * kBlockN, lo[r]);
-    _mm512_storeu_ps(c + r * kBlockN + 16, hi[r]);
-  }
-}
-
-template <int... Rs>
-void tile_rows(const BF* x, int64_t rows, int64_t K, const BF* w, float* c, std::integer_sequence<int, Rs...>) {
-  ((rows == Rs + 1 ? (tile<Rs + 1>(x, K, w, c), 0) : 0), ...);
-}
 
 at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   const auto c = morphserve::vnni_call(x, packed, bias);
@@ -82,14 +48,10 @@ at::Tensor bf16_avx512_linear(const at::Tensor& x, const at::Tensor& packed, con
   // threads, each streaming its contiguous run of them.
   const int64_t blocks = N / kBlockN, chunks = (M + kChunkRows - 1) / kChunkRows;
   at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kTileRows * kBlockN];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = (i / blocks) * kChunkRows, nb = i % blocks, m1 = std::min(M, m0 + kChunkRows);
-      for (int64_t m = m0; m < m1; m += kTileRows) {
-        const int64_t rows = std::min(kTileRows, m1 - m);
-        tile_rows(xp + m * K, rows, K, wp + nb * K * kBlockN, acc, std::make_integer_sequence<int, kTileRows>{});
-        morphserve::vnni_store_rows(acc, rows, bp ? bp + nb * kBlockN : nullptr, yp + m * N + nb * kBlockN, N);
-      }
+      morphserve::vnni_tiles(xp, m0, m1, K, wp + nb * K * kBlockN, bp ? bp + nb * kBlockN : nullptr, nullptr,
+                             yp + nb * kBlockN, N);
     }
   });
   return c.y;

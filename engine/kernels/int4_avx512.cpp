@@ -93,6 +93,8 @@ void tile_rows(int64_t rows, const BF* x, int64_t K, const uint8_t* codes, int64
 // 64-byte aligned scratch, freed on scope exit (a std::vector of BFloat16 would zero it element by element).
 struct Scratch {
   explicit Scratch(int64_t bytes) : p(std::aligned_alloc(64, (bytes + 63) / 64 * 64)) { TORCH_CHECK(p, "out of memory"); }
+  Scratch(const Scratch&) = delete;  // one owner of the allocation
+  Scratch& operator=(const Scratch&) = delete;
   ~Scratch() { std::free(p); }
   template <typename T> T* as() const { return static_cast<T*>(p); }
   void* p;
@@ -143,25 +145,14 @@ void dequant_block32(const uint8_t* packed, int64_t K, int64_t G, int64_t b, con
   }
 }
 
-// From kVnniGemmRows rows: each thread dequantizes one 32-column block at a time into an L2-sized buffer
-// and runs brgemm on it for every 256-row chunk of x, so no bf16 copy of the whole weight is ever made.
+// From kVnniGemmRows rows: the weight dequantized one 32-column block at a time (bf16_vnni.h).
 void gemm_dequantized(const BF* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, int64_t G, const BF* sz, BF* y) {
-  constexpr int64_t kB = morphserve::kVnniBlockN, kChunk = morphserve::kVnniGemmChunk;
-  at::parallel_for(0, N / kB, 1, [&](int64_t begin, int64_t end) {
-    BlockScales scales(sz, N, K / G);
-    const morphserve::Int4PairDecoder dec;
-    const Scratch w(K * kB * sizeof(BF)), c(kChunk * kB * sizeof(float));  // 36-96 KB of weights for SmolLM2
-    for (int64_t b = begin; b < end; ++b) {
+  morphserve::vnni_gemm_filled(x, M, K, N, [&] {
+    return [&, scales = BlockScales(sz, N, K / G), dec = morphserve::Int4PairDecoder()](int64_t b, BF* out) mutable {
       scales.load(b / 2);
-      dequant_block32(packed, K, G, b, scales, w.as<BF>(), dec);
-      for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
-        const int64_t rows = std::min(kChunk, M - m0);
-        at::native::cpublas::brgemm(rows, kB, K, K, kB, kB, false, x + m0 * K, w.as<BF>(), c.as<float>());
-        morphserve::vnni_store_rows(c.as<float>(), rows, nullptr, y + m0 * N + b * kB, N);
-      }
-    }
-    at::native::cpublas::brgemm_release();
-  });
+      dequant_block32(packed, K, G, b, scales, out, dec);
+    };
+  }, y);
 }
 
 void check_weight(const at::Tensor& packed, int64_t group_size, const at::Tensor& sz, int64_t K) {

@@ -2,8 +2,9 @@
 
 Eligible CPU INT4 weights (int4_kernel.amx_eligible) go to the engine's tile op from `int4_min_rows` rows up
 (engine/kernels/int4_amx.cpp with AMX, int4_avx512.cpp on an AVX512-BF16 CPU without it), torch's `_weight_int4pack_mm_for_cpu` below; eligible CPU INT8 weights
-(int8.int8_amx_eligible) to engine/kernels/int8_amx.cpp from `int8_min_rows` up, torch's
-`_weight_int8pack_mm` below. None = never the AMX op. The two kernels of a rung round differently, so
+(int8.int8_amx_eligible) to the INT8 tile op from `int8_min_rows` up (engine/kernels/int8_amx.cpp with
+AMX-INT8, int8_avx512.cpp on an AVX512-BF16 CPU without it), torch's `_weight_int8pack_mm` below. None =
+never the tile op. The two kernels of a rung round differently, so
 a threshold above 1 lets a request's output depend on the step's row count (1 = exact batch invariance).
 Eligible AVX2-layout INT4 weights (a CPU without AVX-512) go to the engine's fp32 AVX2 op at every row
 count while `int4_avx2` is set (one kernel: batch-invariant).

@@ -10,14 +10,22 @@ kernel path always computes in bf16 and returns the caller's dtype; the dequanti
 on this device) computes in the caller's dtype.
 
 From a few rows up torch's kernel is 2-3x slower than the packed bf16 linear (no AMX path), so from
-`int8_min_rows` rows (quant/dispatch.py; EngineConfig.int8_amx_min_rows, default 1: always) eligible CPU weights go to the
-engine's AMX-INT8 op (engine/kernels/int8_amx.cpp: the same int8 codes and fp32 scales, no relayout; the
-activations on a 16-bit grid per row, split exactly into two int8 halves). Both are row-invariant but
-round differently, so with a threshold above 1 a request's INT8 outputs can differ with the step's row
-count across it; at 1 INT8 layers are exactly batch-invariant.
+`int8_min_rows` rows (quant/dispatch.py; EngineConfig.int8_amx_min_rows, default 'auto':
+`resolve_int8_min_rows`) eligible CPU weights go to the engine's tile op (`int8_tile_op`; the same int8
+codes and fp32 scales, no relayout): AMX-INT8's (engine/kernels/int8_amx.cpp: the activations on a 16-bit
+grid per row, split exactly into two int8 halves), else, on a CPU with AVX512-BF16 (e.g. AMD Zen 4, where
+torch's kernel took 2.1-4.1x the bf16 linears' time at 1-512 rows), the AVX512 one
+(engine/kernels/int8_avx512.cpp: each block of 32 weight rows converted to bf16 exactly, then the bf16
+linear's register tiles, brgemm from 256 rows; 1.7-1.8x at 1-16 rows, 1.23x at 64, 0.99-1.06x from 256).
+The tile ops are row-invariant (the AVX512 one below 256 rows, as the bf16 linear) but round differently
+from torch's kernel, so with a threshold above 1 a request's INT8 outputs can differ with the step's row
+count across it; at 1 INT8 layers are exactly batch-invariant (on the AVX512 op, in steps below 256
+rows). 'auto' takes 1 for the AMX op and 8 for the AVX512 one, which converts every call's codes to bf16
+first and so is slower than torch's kernel at 1-4 rows.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,19 +92,51 @@ def quantize_int8(weight: Tensor) -> Int8Weight:
 
 
 _AMX_N, _AMX_K = 16, 64  # the AMX op's tile multiples (output rows, input columns)
+_AVX512_N, _AVX512_K = 32, 32  # the AVX512 op's: its 32-row blocks, 32 k per conversion
+
+
+@functools.cache  # asked on every eligible call; fixed for the process
+def int8_tile_op():
+    """The engine's INT8 op for the plain [out, in] int8 record: AMX-INT8's (engine/kernels/int8_amx.cpp) where
+    the CPU has it, else the AVX512-BF16 one (engine/kernels/int8_avx512.cpp: the codes converted to bf16 block
+    by block, then the bf16 linear's register tiles, or brgemm from 256 rows); None when neither runs here."""
+    from engine.kernels import int8_amx_op, int8_avx512_op  # lazy: quantizing needs no compiled library
+    op = int8_amx_op()
+    return op if op is not None else int8_avx512_op()
+
+
 def int8_amx_eligible(qweight: Tensor) -> bool:
-    """Whether the AMX op can read this [out, in] weight: on CPU, tile-multiple shape, the op built and usable
-    here (engine.kernels.int8_amx_reason says why not)."""
-    from engine.kernels import int8_amx_op  # lazy: quantizing needs no compiled library
+    """Whether the tile op (`int8_tile_op`) can read this [out, in] weight: on CPU, a shape it takes, and an op
+    built and usable here (engine.kernels.int8_amx_reason / int8_avx512_reason say why not)."""
+    from engine.kernels import int8_amx_op  # lazy, as int8_tile_op
     n, k = qweight.shape
-    return qweight.device.type == "cpu" and n % _AMX_N == 0 and k % _AMX_K == 0 and int8_amx_op() is not None
+    if qweight.device.type != "cpu" or int8_tile_op() is None:
+        return False
+    if int8_amx_op() is not None:
+        return n % _AMX_N == 0 and k % _AMX_K == 0
+    return n % _AVX512_N == 0 and k % _AVX512_K == 0
+
+
+AVX512_TILE_MIN_ROWS = 8  # the AVX512 op converts every call's codes: below ~8 rows torch's kernel is faster
+
+
+def resolve_int8_min_rows(setting: int | str | None) -> int | None:
+    """EngineConfig.int8_amx_min_rows -> AmxDispatch.int8_min_rows: 'auto' is 1 for the AMX op and
+    AVX512_TILE_MIN_ROWS for the AVX512-BF16 one (a Zen 4 decode step with 30 INT8 layers: 1.64x / 1.67x the
+    bf16 step at 2 / 4 rows where torch's kernel took 1.51x / 1.44x; 1.35x at 16 where it took 2.03x); an
+    int or None is kept."""
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    from engine.kernels import int8_amx_op  # lazy, as int8_tile_op
+    return 1 if int8_amx_op() is not None else AVX512_TILE_MIN_ROWS
 
 
 def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, amx: bool = False) -> Tensor:
-    """x [rows, in] bf16 -> [rows, out] bf16 with fp32 per-row `scales`. `amx`: the weight is `int8_amx_eligible`."""
+    """x [rows, in] bf16 -> [rows, out] bf16 with fp32 per-row `scales`. `amx`: the weight is `int8_amx_eligible`
+    (the tile op, AMX's or AVX512-BF16's, from int8_min_rows rows)."""
     threshold = amx_dispatch().int8_min_rows
     if amx and threshold is not None and x.shape[0] >= threshold:
-        return torch.ops.morphserve.int8_amx_mm(x, qweight, scales)
+        return int8_tile_op()(x, qweight, scales)
     return torch.ops.aten._weight_int8pack_mm(x, qweight, scales.to(KERNEL_DTYPE))
 
 

@@ -9,7 +9,8 @@ configurations are interleaved round by round, so load drift hits them alike; ea
 `--int4-amx-min-rows never auto 8` interleaves INT4 kernel dispatch settings (EngineConfig.int4_amx_min_rows:
 torch's int4pack kernel only, the engine's default, the tile op from 8 rows up) in the same rounds; `--int4-avx2 on off` likewise
 the engine's fp32 AVX2 INT4 op vs torch's kernel in bf16 (CPUs without AVX-512); `--int8-amx-min-rows` sets
-the INT8 threshold (EngineConfig.int8_amx_min_rows; 'never' = torch's _weight_int8pack_mm only).
+the INT8 threshold (EngineConfig.int8_amx_min_rows: a number, 'auto' (the default), or 'never' = torch's
+_weight_int8pack_mm only).
 
     python -m ops.bench.decode_step --model default --out decode_step.json
     python -m ops.bench.decode_step --rung int8 int4 --threads 1 --clock cpu   # both rungs, one run
@@ -38,6 +39,7 @@ from engine.loader import load_model
 from engine.morph.profiler import LayerSwitch
 from engine.quant.awq import LayerWeights
 from engine.quant.int4_kernel import resolve_int4_min_rows
+from engine.quant.int8 import resolve_int8_min_rows
 from engine.capability import detect_capability
 from engine.config import EngineConfig
 from engine.kernels import int4_amx_reason, int4_avx2_reason, int8_amx_reason
@@ -165,14 +167,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rung", nargs="+", default=["int4"], choices=["int4", "int8"],
                     help="quantized rung(s) the layers switch to; several are interleaved, e.g. --rung int8 int4")
     ap.add_argument("--int8-amx-min-rows", default=str(EngineConfig.model_fields["int8_amx_min_rows"].default),
-                    help="INT8 dispatch threshold (EngineConfig.int8_amx_min_rows; 'never' = torch's kernel only)")
+                    help="INT8 dispatch threshold (EngineConfig.int8_amx_min_rows: a number, 'auto' or 'never' = torch's kernel only)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall, or cpu (process CPU time: steadier on a loaded machine, with --threads 1)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dispatches = dispatch_settings(args.int4_amx_min_rows, args.int4_avx2)
-    update_amx_dispatch(int8_min_rows=None if args.int8_amx_min_rows in ("never", "None") else int(args.int8_amx_min_rows))
+    m8 = args.int8_amx_min_rows
+    update_amx_dispatch(int8_min_rows=None if m8 in ("never", "None") else resolve_int8_min_rows("auto" if m8 == "auto" else int(m8)))
     loaded = load_model(args.model, resolve_dtype(args.dtype, args.device), args.device)
     name, model = loaded.files.name, loaded.model
     num_layers = model.config.num_layers
