@@ -59,7 +59,7 @@ def test_auto_int8_threshold_follows_the_tile_op(monkeypatch):
     monkeypatch.setattr(kernels, "int8_amx_op", lambda: object())
     assert resolve_int8_min_rows("auto") == 1
     monkeypatch.setattr(kernels, "int8_amx_op", lambda: None)
-    assert resolve_int8_min_rows("auto") == AVX512_TILE_MIN_ROWS == 8
+    assert resolve_int8_min_rows("auto") == AVX512_TILE_MIN_ROWS == 12
 
 
 @pytest.mark.parametrize("name", ["int4_amx_min_rows", "int8_amx_min_rows"])

@@ -1,9 +1,9 @@
-"""The engine's INT8 AVX512-BF16 op (engine/kernels/int8_avx512.cpp, built once by `make kernels`; the INT8
-tile op on a CPU with AVX512-BF16 and no AMX-INT8, e.g. AMD Zen 4): the codes' exact conversion, numerics
-against the dequantized reference on both routes (register tiles below 256 rows, brgemm from 256), row
-invariance below 256, clear errors, the row-count dispatch of Int8Linear and the fused INT8 call, and batch
-invariance of a model with INT8 layers. Skipped, saying why, where the library is not built or the CPU has
-no AVX512-BF16."""
+"""The engine's INT8 AVX512-BF16 ops (engine/kernels/int8_avx512.cpp, built once by `make kernels`; on a CPU
+with AVX512-BF16 and no AMX-INT8, e.g. AMD Zen 4, the INT8 tile op and the few-rows op below its threshold):
+the codes' exact conversion, numerics against the dequantized reference on every route (few rows, register
+tiles below 256 rows, brgemm from 256), row invariance, clear errors, the row-count dispatch of Int8Linear
+and the fused INT8 call, and batch invariance of a model with INT8 layers. Skipped, saying why, where the
+library is not built or the CPU has no AVX512-BF16."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,7 @@ from engine.morph.actions import RestoreLayer, SwapLayer
 from engine.precision import Precision
 from engine.quant import Int8Linear, quantize_int8
 from engine.quant.fused import fuse_quantized
-from engine.quant.int8 import int8_tile_op
+from engine.quant.int8 import int8_rows_op, int8_tile_op
 from tests.kernel_dispatch import assert_dispatch_by_rows
 from tests.morph_helpers import engine_for
 from tests.test_engine import generate, mixed_prompts
@@ -65,8 +65,8 @@ def test_bad_operands_get_clear_errors():
 
 
 def test_eligibility_and_the_dispatch_by_rows(threshold):
-    """The AVX512 op takes 32-multiple shapes; below the threshold Int8Linear and the fused q/k/v call are
-    torch's kernel exactly, from it up the tile op."""
+    """The AVX512 ops take 32-multiple shapes; below the threshold Int8Linear and the fused q/k/v call are the
+    few-rows op exactly, from it up the tile op; with no threshold, torch's kernel at every row count."""
     if int8_tile_op() is not int8_avx512_op():
         pytest.skip("this CPU has AMX-INT8: the AMX op is the INT8 tile op (tests/test_int8_amx.py)")
     assert Int8Linear(quantize_int8(torch.randn(96, 64))).amx
@@ -75,14 +75,31 @@ def test_eligibility_and_the_dispatch_by_rows(threshold):
     members = [Int8Linear(quantize_int8(torch.randn(n, 128, generator=gen) * 0.05)) for n in (128, 64, 64)]
     x = torch.randn(17, 128, generator=gen).to(torch.bfloat16)
     threshold(None)
-    old = [lin(x) for lin in members]
-    assert all(torch.equal(o, torch.ops.aten._weight_int8pack_mm(x, lin.qweight, lin.scales.bfloat16()))
-               for lin, o in zip(members, old))
+    assert all(torch.equal(lin(x), torch.ops.aten._weight_int8pack_mm(x, lin.qweight, lin.scales.bfloat16()))
+               for lin in members)
     fused = fuse_quantized(members)
     assert fused is not None and fused.amx
+    few = [int8_rows_op()(x, lin.qweight, lin.scales) for lin in members]
     new = [int8_avx512_op()(x, lin.qweight, lin.scales) for lin in members]
     threshold(4)
-    assert_dispatch_by_rows(fused, members, x, old, new)
+    assert_dispatch_by_rows(fused, members, x, few, new)
+
+
+@pytest.mark.parametrize("n, k", [(32, 32), (576, 576), (192, 1536)])
+def test_the_few_rows_op_matches_the_dequantized_matmul_and_is_row_invariant(n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    record = quantize_int8(torch.randn(n, k, generator=gen) * 0.05)
+    op = int8_rows_op()
+    x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
+    full = op(x, record.qweight, record.scales)
+    w = record.dequantize().double()
+    for m in (1, 3, 4, 5, 11):  # groups of up to four rows of x
+        y = op(x[:m], record.qweight, record.scales)
+        ref = x[:m].double() @ w.t()
+        magnitude = x[:m].double().abs() @ w.abs().t()
+        assert bool(((y.double() - ref).abs() <= BF16_UNIT * magnitude + 1e-6).all()), m
+        assert torch.equal(y, full[:m])
+        assert torch.equal(op(x[m:], record.qweight, record.scales), full[m:])  # the rows' place does not matter
 
 
 def test_int8_layers_are_batch_invariant_on_the_avx512_op(tiny_model_dir, tmp_path, threshold):

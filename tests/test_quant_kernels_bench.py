@@ -10,12 +10,13 @@ import torch
 
 from engine.kernels import int4_amx_reason, int8_amx_reason
 from engine.quant.int4_kernel import int4_tile_op
-from engine.quant.int8 import int8_tile_op
+from engine.quant.int8 import int8_rows_op, int8_tile_op
 from ops.bench import quant_kernels as qk
 
 SMALL = [(128, 192)]  # in x out: 2 groups of 64, 3 column blocks of 64
 ENGINE = ({"bf16_engine"} | ({"int4_tile"} if int4_tile_op() is not None else set())  # the engine's own paths
-          | ({"int8_tile"} if int8_tile_op() is not None else set()))
+          | ({"int8_tile"} if int8_tile_op() is not None else set())
+          | ({"int8_rows"} if int8_rows_op() is not None else set()))
 _no_amx = int4_amx_reason() or int8_amx_reason()
 needs_amx = pytest.mark.skipif(_no_amx is not None, reason=f"AMX ops: {_no_amx}")
 needs_bf16 = pytest.mark.skipif(qk.baseline_reason() is not None, reason=f"{qk.baseline_reason()}")
@@ -28,8 +29,9 @@ def _check_cells(cells: list[dict], names: set[str]) -> None:
         err = cell["rel_error"]
         assert err[qk.BASELINE] < 0.01 and err.get("bf16_plain", 0.0) < 0.01
         assert err.get("int8_pack_mm", 0.0) < 0.03 and err.get("int8_onednn_dynamic", 0.0) < 0.05
-        assert err.get("int8_amx", 0.0) < 0.03 and err.get("int8_tile", 0.0) < 0.03 and err.get("bf16_engine", 0.0) < 0.01
-        int8 = {"int8_pack_mm", "int8_onednn_dynamic", "int8_amx", "int8_tile"}
+        int8 = {"int8_pack_mm", "int8_onednn_dynamic", "int8_amx", "int8_tile", "int8_rows"}
+        assert all(err.get(name, 0.0) < 0.03 for name in int8 - {"int8_onednn_dynamic"})
+        assert err.get("bf16_engine", 0.0) < 0.01
         for name in names - {qk.BASELINE, "bf16_plain", "bf16_engine"} - int8:
             assert err[name] < 0.25, (name, err[name])  # INT4 RTN on Gaussian weights: ~0.1
 

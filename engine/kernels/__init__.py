@@ -197,3 +197,8 @@ def int8_avx512_reason() -> str | None:
 
 def int8_avx512_op():
     return None if int8_avx512_reason() else torch.ops.morphserve.int8_avx512_mm
+
+
+def int8_avx512_rows_op():
+    """The same file's few-rows INT8 op (int8_avx512_rows_mm), where int8_avx512_op runs."""
+    return None if int8_avx512_reason() else torch.ops.morphserve.int8_avx512_rows_mm

@@ -14,14 +14,15 @@ From a few rows up torch's kernel is 2-3x slower than the packed bf16 linear (no
 `resolve_int8_min_rows`) eligible CPU weights go to the engine's tile op (`int8_tile_op`; the same int8
 codes and fp32 scales, no relayout): AMX-INT8's (engine/kernels/int8_amx.cpp: the activations on a 16-bit
 grid per row, split exactly into two int8 halves), else, on a CPU with AVX512-BF16 (e.g. AMD Zen 4, where
-torch's kernel took 2.1-4.1x the bf16 linears' time at 1-512 rows), the AVX512 one
+torch's kernel took 1.6-3.4x the bf16 linears' time at 1-512 rows), the AVX512 one
 (engine/kernels/int8_avx512.cpp: each block of 32 weight rows converted to bf16 exactly, then the bf16
-linear's register tiles, brgemm from 256 rows; 1.7-1.8x at 1-16 rows, 1.23x at 64, 0.99-1.06x from 256).
+linear's register tiles, brgemm from 256 rows; 1.34-1.52x at 1-16 rows, 1.20x at 64, 1.01-1.05x from 256).
 The tile ops are row-invariant (the AVX512 one below 256 rows, as the bf16 linear) but round differently
 from torch's kernel, so with a threshold above 1 a request's INT8 outputs can differ with the step's row
 count across it; at 1 INT8 layers are exactly batch-invariant (on the AVX512 op, in steps below 256
-rows). 'auto' takes 1 for the AMX op and 8 for the AVX512 one, which converts every call's codes to bf16
-first and so is slower than torch's kernel at 1-4 rows.
+rows). 'auto' takes 1 for the AMX op and 12 for the AVX512 one, which converts every call's codes into a
+buffer first; below its threshold the AVX512 CPU runs the few-rows op (`int8_rows_op`: codes converted in
+registers, 0.63-0.79x the bf16 linears at 1-4 rows), not torch's kernel.
 """
 from __future__ import annotations
 
@@ -117,26 +118,40 @@ def int8_amx_eligible(qweight: Tensor) -> bool:
     return n % _AVX512_N == 0 and k % _AVX512_K == 0
 
 
-AVX512_TILE_MIN_ROWS = 8  # the AVX512 op converts every call's codes: below ~8 rows torch's kernel is faster
+AVX512_TILE_MIN_ROWS = 12  # the AVX512 tile op fills a buffer per call: below a 12-row tile, the few-rows op
 
 
 def resolve_int8_min_rows(setting: int | str | None) -> int | None:
     """EngineConfig.int8_amx_min_rows -> AmxDispatch.int8_min_rows: 'auto' is 1 for the AMX op and
-    AVX512_TILE_MIN_ROWS for the AVX512-BF16 one (a Zen 4 decode step with 30 INT8 layers: 1.64x / 1.67x the
-    bf16 step at 2 / 4 rows where torch's kernel took 1.51x / 1.44x; 1.35x at 16 where it took 2.03x); an
-    int or None is kept."""
+    AVX512_TILE_MIN_ROWS for the AVX512-BF16 one, below which its few-rows op runs (`int8_rows_op`; Zen 4, four
+    shapes summed: the few-rows op 0.63 / 0.79 / 1.23 / 1.83x the bf16 linears at 1 / 4 / 8 / 16 rows, the
+    tile op 1.34 / 1.35 / 1.41 / 1.52x); an int or None is kept."""
     if setting != "auto":
         return setting  # type: ignore[return-value]
     from engine.kernels import int8_amx_op  # lazy, as int8_tile_op
     return 1 if int8_amx_op() is not None else AVX512_TILE_MIN_ROWS
 
 
+@functools.cache  # asked on every eligible call below the threshold; fixed for the process
+def int8_rows_op():
+    """The op for eligible INT8 weights below the tile op's threshold: on a CPU whose tile op is the AVX512
+    one, its few-rows op (engine/kernels/int8_avx512.cpp: int8_avx512_rows_mm, codes converted in registers,
+    no buffer; Zen 4, four shapes summed: 0.63x / 0.70x / 0.79x the bf16 linears at 1 / 2 / 4 rows where
+    torch's kernel took 1.59x / 1.72x / 1.92x); None (torch's kernel) elsewhere."""
+    from engine.kernels import int8_amx_op, int8_avx512_rows_op  # lazy, as int8_tile_op
+    return None if int8_amx_op() is not None else int8_avx512_rows_op()
+
+
 def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, amx: bool = False) -> Tensor:
-    """x [rows, in] bf16 -> [rows, out] bf16 with fp32 per-row `scales`. `amx`: the weight is `int8_amx_eligible`
-    (the tile op, AMX's or AVX512-BF16's, from int8_min_rows rows)."""
+    """x [rows, in] bf16 -> [rows, out] bf16 with fp32 per-row `scales`. `amx`: the weight is `int8_amx_eligible`:
+    the tile op (AMX's or AVX512-BF16's) from int8_min_rows rows, the few-rows op below (`int8_rows_op`, where
+    there is one); torch's kernel otherwise, and at every row count when the threshold is None."""
     threshold = amx_dispatch().int8_min_rows
-    if amx and threshold is not None and x.shape[0] >= threshold:
-        return int8_tile_op()(x, qweight, scales)
+    if amx and threshold is not None:
+        if x.shape[0] >= threshold:
+            return int8_tile_op()(x, qweight, scales)
+        if (rows_op := int8_rows_op()) is not None:
+            return rows_op(x, qweight, scales)
     return torch.ops.aten._weight_int8pack_mm(x, qweight, scales.to(KERNEL_DTYPE))
 
 

@@ -14,9 +14,10 @@ serves full precision with here, the vnni32 layout and the engine's op on a CPU 
 `int4_tile` (int4_kernel.int4_tile_op: the engine's INT4 tile op, AMX's or the AVX512-BF16 one, on the
 Int4Linear's bytes; where built and the CPU has either); `int4_tinygemm` (the engine's Int4Linear: torch's
 `_weight_int4pack_mm_for_cpu`, group size as the engine picks it) and `int4_tinygemm_g32`;
-`int8_pack_mm` (Int8Linear on torch's `_weight_int8pack_mm`: the benchmark sets no INT8 threshold); `int8_tile`
-(int8.int8_tile_op: the engine's INT8 tile op, AMX-INT8's or the AVX512-BF16 one, on the same codes); `int4_dequant_linear` (INT4 dequantized
-into a reused bf16 scratch by torch ops, then F.linear); `int8_onednn_dynamic` (activations quantized per
+`int8_pack_mm` (Int8Linear on torch's `_weight_int8pack_mm`: the benchmark sets no INT8 threshold);
+`int8_tile` (int8.int8_tile_op: the engine's INT8 tile op, AMX-INT8's or the AVX512-BF16 one, on the same
+codes) and `int8_rows` (int8.int8_rows_op: the AVX512 CPUs' few-rows INT8 op, below the tile op's threshold);
+`int4_dequant_linear` (INT4 dequantized into a reused bf16 scratch by torch ops, then F.linear); `int8_onednn_dynamic` (activations quantized per
 tensor to uint8 on the fly, oneDNN `qlinear_pointwise` on a prepacked int8 weight: AMX-INT8, other
 numerics); `int4_amx` (the engine's AMX op, engine/kernels/int4_amx.cpp from `make kernels`: int4pack
 blocks dequantized to bf16 in cache, AMX brgemm) and `int8_amx` (engine/kernels/int8_amx.cpp: the int8 codes
@@ -43,7 +44,7 @@ from engine.layers.packed import PackedGroup
 from engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from engine.quant.dispatch import update_amx_dispatch
 from engine.quant.int4_kernel import int4_tile_op
-from engine.quant.int8 import int8_tile_op
+from engine.quant.int8 import int8_rows_op, int8_tile_op
 from engine.quant.int4_record import unpack_nibbles
 
 SHAPES = [(576, 576), (576, 960), (576, 3072), (1536, 576)]  # (in_features, out_features)
@@ -113,9 +114,11 @@ def _all_candidates(w: torch.Tensor, xs: list[torch.Tensor], amx: bool) -> dict[
     if i4.amx:  # the engine's tile op (AMX or AVX512-BF16) reads this weight
         tile = int4_tile_op()
         calls["int4_tile"] = lambda: tile(xs[0], i4.packed, i4.group_size, i4.scales_and_zeros)
-    if i8.amx:  # likewise the INT8 tile op
-        tile8 = int8_tile_op()
+    if i8.amx:  # likewise the INT8 tile op, and the few-rows op below its threshold where there is one
+        tile8, rows8 = int8_tile_op(), int8_rows_op()
         calls["int8_tile"] = lambda: tile8(xs[0], i8.qweight, i8.scales)
+        if rows8 is not None:
+            calls["int8_rows"] = lambda: rows8(xs[0], i8.qweight, i8.scales)
     if amx:
         op4, op8 = int4_amx_op(), int8_amx_op()
         calls["int4_amx"] = lambda: op4(xs[0], i4.packed, i4.group_size, i4.scales_and_zeros)
@@ -154,7 +157,7 @@ def run(rows: list[int], rounds: int, inner: int, copies: int, amx: bool,
     if (why := baseline_reason()) is not None:
         raise SystemExit(f"quant_kernels: {why}")
     out = []
-    # `int4_tinygemm` / `int8_pack_mm` are Int4Linear / Int8Linear on torch's kernels; the tile ops are their own candidates
+    # `int4_tinygemm` / `int8_pack_mm`: Int4Linear / Int8Linear on torch's kernels; the engine's ops are candidates
     update_amx_dispatch(int4_min_rows=None, int8_min_rows=None)
     xs: list[torch.Tensor] = [torch.empty(0)]
     with torch.inference_mode():
