@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama-family model on disk and the real default model."""
+"""Shared fixtures: a tiny random Llama-family model on disk, the real default model, and `threshold` (sets a
+test module's quantized rung dispatch threshold and restores it after the test)."""
 from __future__ import annotations
 
 import os
