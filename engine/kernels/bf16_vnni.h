@@ -156,5 +156,15 @@ inline void vnni_gemm_filled(const at::BFloat16* x, int64_t M, int64_t K, int64_
   });
 }
 
+// Every 32-column block of such a weight filled into `out` ([N/32][K/2][32][2]) with the same fillers, the
+// blocks split over the threads: the converted weight itself, for tests and tools.
+template <typename MakeFiller>
+inline void vnni_fill_all(int64_t K, int64_t N, const MakeFiller& make_filler, at::BFloat16* out) {
+  at::parallel_for(0, N / kVnniBlockN, 1, [&](int64_t begin, int64_t end) {
+    auto fill = make_filler();
+    for (int64_t b = begin; b < end; ++b) fill(b, out + b * K * kVnniBlockN);
+  });
+}
+
 }  // namespace morphserve
 #endif  // AVX512-BF16

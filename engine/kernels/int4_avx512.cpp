@@ -124,9 +124,9 @@ void dequant_block32(const uint8_t* packed, int64_t K, int64_t G, int64_t b, con
                      const morphserve::Int4PairDecoder& dec) {
   const float *scale = scales.scale(), *offset = scales.offset();
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  alignas(64) int16_t order[32];  // cvtne2ps_pbh gives [row k x 16, row k + 1 x 16] -> (row k, row k + 1) pairs
-  for (int j = 0; j < 16; ++j) order[2 * j] = j, order[2 * j + 1] = 16 + j;
-  const __m512i pairs = _mm512_load_si512(order);
+  // cvtne2ps_pbh gives [row k x 16, row k + 1 x 16]; word 2 j <- j, word 2 j + 1 <- 16 + j: (row k, row k + 1) pairs
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const uint8_t* block = packed + (b / 2) * K * 32;
   const int q0 = 2 * (b % 2);  // the decoder's column vectors q0, q0 + 1 hold this half
   for (int64_t p = 0; p < K / 2; ++p) {
@@ -145,14 +145,20 @@ void dequant_block32(const uint8_t* packed, int64_t K, int64_t G, int64_t b, con
   }
 }
 
-// From kVnniGemmRows rows: the weight dequantized one 32-column block at a time (bf16_vnni.h).
-void gemm_dequantized(const BF* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, int64_t G, const BF* sz, BF* y) {
-  morphserve::vnni_gemm_filled(x, M, K, N, [&] {
-    return [&, scales = BlockScales(sz, N, K / G), dec = morphserve::Int4PairDecoder()](int64_t b, BF* out) mutable {
+// make_filler of bf16_vnni.h's vnni_gemm_filled / vnni_fill_all: each thread's dequantizer of 32-column
+// blocks (with its own copy of the current 64-column block's scales).
+auto block_filler(const uint8_t* packed, const BF* sz, int64_t K, int64_t N, int64_t G) {
+  return [=] {
+    return [=, scales = BlockScales(sz, N, K / G), dec = morphserve::Int4PairDecoder()](int64_t b, BF* out) mutable {
       scales.load(b / 2);
       dequant_block32(packed, K, G, b, scales, out, dec);
     };
-  }, y);
+  };
+}
+
+// From kVnniGemmRows rows: the weight dequantized one 32-column block at a time (bf16_vnni.h).
+void gemm_dequantized(const BF* x, int64_t M, int64_t K, int64_t N, const uint8_t* packed, int64_t G, const BF* sz, BF* y) {
+  morphserve::vnni_gemm_filled(x, M, K, N, block_filler(packed, sz, K, N, G), y);
 }
 
 void check_weight(const at::Tensor& packed, int64_t group_size, const at::Tensor& sz, int64_t K) {
@@ -173,16 +179,8 @@ at::Tensor int4_avx512_dequant(const at::Tensor& packed, int64_t group_size, con
   check_weight(packed, group_size, sz, K);
   const int64_t N = sz.size(1);
   auto out = at::empty({N / morphserve::kVnniBlockN, K / 2, morphserve::kVnniBlockN, 2}, sz.options());
-  const auto* pp = packed.data_ptr<uint8_t>();
-  BF* op = out.data_ptr<BF>();
-  at::parallel_for(0, N / morphserve::kVnniBlockN, 1, [&](int64_t begin, int64_t end) {
-    BlockScales scales(sz.data_ptr<BF>(), N, K / group_size);
-    const morphserve::Int4PairDecoder dec;
-    for (int64_t b = begin; b < end; ++b) {
-      scales.load(b / 2);
-      dequant_block32(pp, K, group_size, b, scales, op + b * K * morphserve::kVnniBlockN, dec);
-    }
-  });
+  morphserve::vnni_fill_all(K, N, block_filler(packed.data_ptr<uint8_t>(), sz.data_ptr<BF>(), K, N, group_size),
+                            out.data_ptr<BF>());
   return out;
 }
 

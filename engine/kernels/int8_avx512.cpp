@@ -113,6 +113,11 @@ void dot_rows_of(int64_t rows, const BF* x, int64_t K, const int8_t* q, const fl
   ((rows == Rs + 1 ? (dot_rows<Rs + 1>(x, K, q, s, n0, n1, y, N), 0) : 0), ...);
 }
 
+// make_filler of bf16_vnni.h's vnni_gemm_filled / vnni_fill_all: 32-row blocks of codes as bf16.
+auto codes_filler(const int8_t* q, int64_t K) {
+  return [=] { return [=](int64_t b, BF* out) { dequant_rows32(q, K, b, out); }; };
+}
+
 void check_codes(const at::Tensor& q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu(),
               "qweight must be contiguous int8 [N, K] on the CPU");
@@ -151,8 +156,7 @@ at::Tensor int8_avx512_mm(const at::Tensor& x, const at::Tensor& q, const at::Te
   const float* sp = c.sp;
   BF* yp = c.yp();
   if (M >= morphserve::kVnniGemmRows) {
-    const auto filler = [&] { return [&](int64_t b, BF* out) { dequant_rows32(qp, K, b, out); }; };
-    morphserve::vnni_gemm_filled(xp, M, K, N, filler, yp, sp);
+    morphserve::vnni_gemm_filled(xp, M, K, N, codes_filler(qp, K), yp, sp);
     return c.y;
   }
   // Work items (chunk of up to kChunkRows rows, block): a decode step's items are its blocks.
@@ -190,7 +194,7 @@ at::Tensor int8_avx512_codes(const at::Tensor& q) {
   check_codes(q);
   const int64_t N = q.size(0), K = q.size(1);
   auto out = at::empty({N / kB, K / 2, kB, 2}, q.options().dtype(at::kBFloat16));
-  for (int64_t b = 0; b < N / kB; ++b) dequant_rows32(q.data_ptr<int8_t>(), K, b, out.data_ptr<BF>() + b * K * kB);
+  morphserve::vnni_fill_all(K, N, codes_filler(q.data_ptr<int8_t>(), K), out.data_ptr<BF>());
   return out;
 }
 
