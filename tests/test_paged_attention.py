@@ -196,6 +196,36 @@ def test_head_dims_of_real_models_match_the_reference(dim, hq, hkv):
         torch.testing.assert_close(out[row:row + n].double(), ref, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("decodes", [3, 24])
+def test_long_decodes_match_the_reference_at_any_thread_count(decodes):
+    """Decodes with contexts of many blocks, in bf16 at head dim 64: few enough to be split per kv head (3),
+    or one item per request (24). Each thread prefetches along its items' blocks and into its next item's;
+    the output must match the reference and be bit-identical whichever thread runs which item."""
+    from engine.kernels import paged_attention_op
+    hq, hkv, dim = 9, 3, 64
+    storage, rng = make_storage(1200, hkv, dim, torch.bfloat16, layers=1), random.Random(decodes)
+    kc, vc = storage.layer(0)
+    starts = [rng.randint(0, 190) for _ in range(decodes)]
+    ids = list(range(1200))
+    rng.shuffle(ids)
+    width = max(-(-(s + 1) // BS) for s in starts)
+    tables = [ids[i * width:(i + 1) * width] for i in range(decodes)]
+    q = torch.randn(decodes, hq, dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    args = (torch.tensor(tables), torch.arange(decodes), torch.ones(decodes, dtype=torch.long), torch.tensor(starts))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(paged_attention_op()(q, kc, vc, *args, dim ** -0.5))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for i, (start, table) in enumerate(zip(starts, tables)):
+        ref = gather_reference(q[i:i + 1], kc, vc, table, start, dim ** -0.5)
+        torch.testing.assert_close(outs[0][i:i + 1].double(), ref, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("n,start,hq,hkv,dim", [(1, 0, 9, 3, 64), (70, 0, 9, 3, 64), (129, 0, 4, 4, 128),
                                                  (50, 37, 9, 3, 64), (64, 192, 6, 2, 32)])
 def test_causal_op_attention_is_causal_with_offset(n, start, hq, hkv, dim):
