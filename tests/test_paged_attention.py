@@ -249,6 +249,28 @@ def test_causal_op_attention_is_causal_with_offset(n, start, hq, hkv, dim):
     torch.testing.assert_close(out.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_causal_op_output_does_not_depend_on_the_thread_count():
+    """Threads take the op's items (kv head, 64-token query block) longest first from a shared counter, so
+    which thread computes which item varies from call to call; each item's output must not."""
+    from engine.kernels import causal_attention_op, causal_attention_reason
+    if causal_attention_reason() is not None:
+        pytest.skip(causal_attention_reason())
+    g = torch.Generator().manual_seed(7)
+    n, start, hq, hkv, dim = 300, 45, 9, 3, 64
+    q = torch.randn(n, hq, dim, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(start + n, hkv, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3, 2):
+            torch.set_num_threads(t)
+            outs.append(causal_attention_op()(q, k, v, start, dim ** -0.5))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.testing.assert_close(outs[0].double(), causal_reference(q, k, v, start, dim ** -0.5), atol=1e-2, rtol=1e-2)
+
+
 def test_causal_op_attention_rejects_bad_shapes():
     from engine.kernels import causal_attention_op, causal_attention_reason
     if causal_attention_reason() is not None:

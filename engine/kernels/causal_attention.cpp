@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -186,12 +187,16 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto out = at::empty({n, hq, D}, q.options());
   BF* op = out.data_ptr<BF>();
   const float fscale = static_cast<float>(scale);
-  // Items kv-head-major, query blocks in turn: the static split of at::parallel_for then gives each
-  // thread a mix of short (early) and long (late) blocks.
-  at::parallel_for(0, hkv * qblocks, 1, [&](int64_t begin, int64_t end) {
+  // An item's work grows with its query block (it walks the key blocks up to its diagonal), so a static
+  // split of the items leaves a thread idle (2 threads, 1,024 tokens: 236 vs 172 block steps, ~12% of the
+  // call). Instead each thread takes the next item from a shared counter, the longest items first.
+  const int64_t items = hkv * qblocks;
+  std::atomic<int64_t> taken{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     Scratch w(kBq * group, D);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / qblocks, t0 = (i % qblocks) * kBq, nt = std::min(kBq, n - t0);
+    for (int64_t next = taken++; next < items; next = taken++) {
+      const int64_t block = qblocks - 1 - next / hkv, h = next % hkv;  // longest first
+      const int64_t t0 = block * kBq, nt = std::min(kBq, n - t0);
       attend_item(qp + t0 * q.stride(0) + h * group * D, q.stride(0), kpack.get() + h * kblocks * kBk * D,
                   vpack.get() + h * kblocks * kBk * D, op + t0 * hq * D + h * group * D, hq * D, nt, group,
                   start + t0, D, fscale, w);
