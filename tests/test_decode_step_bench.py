@@ -21,6 +21,17 @@ def test_prefill_chunk_covers_its_tokens_with_whole_blocks():
     assert len(chunk.block_table) == -(-37 // decode_step.BLOCK_SIZE)
 
 
+def test_decode_batch_block_layouts_give_each_request_its_own_blocks():
+    batch, context = 3, 40
+    per_seq = -(-(context + 1) // decode_step.BLOCK_SIZE)
+    for layout in decode_step.BLOCK_LAYOUTS:
+        tables = [c.block_table for c in decode_step.decode_batch(batch, context, 100, layout).chunks]
+        assert all(len(t) == per_seq for t in tables)
+        assert sorted(b for t in tables for b in t) == list(range(batch * per_seq))  # the runner's storage
+    interleaved = [c.block_table for c in decode_step.decode_batch(batch, context, 100, "interleaved").chunks]
+    assert interleaved[1] == tuple(j * batch + 1 for j in range(per_seq))
+
+
 def test_bench_times_prefill_chunks_and_restores_the_layers(tiny_model_dir):
     model = load_model(str(tiny_model_dir), torch.float32, "cpu").model
     n = model.config.num_layers

@@ -28,22 +28,32 @@ except ImportError:  # an engine from before dtype=auto: name the dtype
 BLOCK_SIZE = 16
 
 
-def make_runner(model, batch: int, context: int, attention: str | None = None):
+def make_runner(model, batch: int, context: int, attention: str | None = None, layout: str = "contiguous"):
     """A runner whose storage holds `batch` sequences of `context` tokens, and their decode step
-    (the same as ops/bench/decode_step.py; repeated here so an older engine on PYTHONPATH can run it)."""
+    (the same as ops/bench/decode_step.py, block layouts included; repeated here so an older engine on
+    PYTHONPATH can run it)."""
     per_seq = -(-(context + 1) // BLOCK_SIZE)
     c = model.config
     storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, model.dtype, "cpu",
                         max_blocks=batch * per_seq, capacity=batch * per_seq)
-    chunks = tuple(ScheduledChunk(f"r{i}", ((7 * i + 11) % c.vocab_size,), context,
-                                  tuple(range(i * per_seq, (i + 1) * per_seq)), needs_logits=True)
+    # Every page written, as a prefill would: an unwritten page of the storage's anonymous mapping reads as
+    # the one shared zero page, always in cache, and attention over it would time cache hits.
+    storage.kv.copy_(torch.randn(storage.kv.shape, generator=torch.Generator().manual_seed(0)).to(storage.kv.dtype))
+
+    def table(i: int) -> tuple[int, ...]:
+        if layout == "interleaved":  # block j of request i: j * batch + i, as requests that grow together get them
+            return tuple(j * batch + i for j in range(per_seq))
+        return tuple(range(i * per_seq, (i + 1) * per_seq))
+
+    chunks = tuple(ScheduledChunk(f"r{i}", ((7 * i + 11) % c.vocab_size,), context, table(i), needs_logits=True)
                    for i in range(batch))
     runner = ModelRunner(model, storage, "cpu") if attention is None else ModelRunner(model, storage, "cpu", attention)
     return runner, SchedulerOutput(chunks)
 
 
-def profile_step(model, batch: int, context: int, steps: int, top: int, attention: str | None = None) -> dict:
-    runner, step = make_runner(model, batch, context, attention)
+def profile_step(model, batch: int, context: int, steps: int, top: int, attention: str | None = None,
+                 layout: str = "contiguous") -> dict:
+    runner, step = make_runner(model, batch, context, attention, layout)
     for _ in range(3):
         runner.execute(step)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -62,6 +72,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="auto", help="auto (the engine's default: bf16 with native bf16, else fp32), bf16, fp32")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--block-layout", choices=["contiguous", "interleaved"], default="contiguous",
+                    help="the requests' block tables: one run each, or interleaved (ops/bench/decode_step.py)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
@@ -73,9 +85,9 @@ def main(argv=None) -> None:
     import engine
     model = load_model(args.model, resolve_dtype(args.dtype), "cpu").model
     report = {"engine": str(Path(engine.__file__).parent), "dtype": str(model.dtype).removeprefix("torch."), "threads": args.threads,
-              "context": args.context, "loadavg_1_5_15": list(os.getloadavg()),
+              "context": args.context, "block_layout": args.block_layout, "loadavg_1_5_15": list(os.getloadavg()),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "profiles": [profile_step(model, b, args.context, args.steps, args.top, a)
+              "profiles": [profile_step(model, b, args.context, args.steps, args.top, a, args.block_layout)
                            for b in args.batch for a in (args.attention or [None])]}
     for p in report["profiles"]:
         print(f"\nbatch {p['batch']}, attention {p['attention']}: {p['total_self_ms_per_step']} ms self CPU per step")

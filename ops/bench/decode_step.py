@@ -51,11 +51,21 @@ from engine.quant.int4_kernel import cpu_layout
 BLOCK_SIZE = 16
 
 
-def decode_batch(batch: int, context: int, vocab: int) -> SchedulerOutput:
-    """`batch` one-token chunks at position `context`, each request with its own blocks."""
+BLOCK_LAYOUTS = ("contiguous", "interleaved")
+
+
+def decode_batch(batch: int, context: int, vocab: int, layout: str = "contiguous") -> SchedulerOutput:
+    """`batch` one-token chunks at position `context`, each request with its own blocks: `contiguous`
+    (request i holds one run of blocks) or `interleaved` (block j of request i is j * batch + i, what the
+    block pool hands out to requests that grow together, so every block read jumps in memory)."""
     per_seq = -(-(context + 1) // BLOCK_SIZE)
-    chunks = tuple(ScheduledChunk(f"r{i}", ((7 * i + 11) % vocab,), context,
-                                  tuple(range(i * per_seq, (i + 1) * per_seq)), needs_logits=True)
+
+    def table(i: int) -> tuple[int, ...]:
+        if layout == "interleaved":
+            return tuple(j * batch + i for j in range(per_seq))
+        return tuple(range(i * per_seq, (i + 1) * per_seq))
+
+    chunks = tuple(ScheduledChunk(f"r{i}", ((7 * i + 11) % vocab,), context, table(i), needs_logits=True)
                    for i in range(batch))
     return SchedulerOutput(chunks)
 
@@ -71,7 +81,16 @@ def make_runner(model: Transformer, batch: int, context: int, attention: str = "
     blocks = batch * -(-(context + 1) // BLOCK_SIZE)
     storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, model.dtype, device,
                         max_blocks=blocks, capacity=blocks)
+    fill_cache(storage)
     return ModelRunner(model, storage, device, attention)
+
+
+def fill_cache(storage: KVStorage) -> None:
+    """Write every cache page, as the prompts' prefill would. An unwritten page of the CPU storage (an
+    anonymous mapping) reads as the kernel's one shared zero page, always in cache: attention over it
+    would time cache hits, not the DRAM reads a real step makes."""
+    g = torch.Generator(device=storage.kv.device).manual_seed(0)
+    storage.kv.copy_(torch.randn(storage.kv.shape, generator=g, device=storage.kv.device).to(storage.kv.dtype))
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds (a loaded
@@ -97,15 +116,17 @@ def configurations(rungs: Sequence[str], counts: Sequence[int]) -> list[tuple[st
 def bench(model: Transformer, switches: dict[str, LayerSwitch], order: Sequence[int], counts: Sequence[int],
           batches: Sequence[int], context: int, rounds: int, steps: int,
           clock=time.perf_counter, attention: Sequence[str] = ("auto",),
-          dispatches: Sequence[tuple[str, dict]] = (("", {}),), prefill: bool = False) -> dict[str, dict[str, float]]:
+          dispatches: Sequence[tuple[str, dict]] = (("", {}),), prefill: bool = False,
+          block_layout: str = "contiguous") -> dict[str, dict[str, float]]:
     """{"batch=<b>": {"<rung>=<n>": median seconds per step}} over interleaved rounds (one warm-up round);
     `switches`: rung -> its LayerSwitch ("int4=0" or "int8=0" is full precision); with several attention
     routes the keys are "<rung>=<n> attention=<route>"; `dispatches` are (key suffix, update_amx_dispatch
     changes) to interleave (INT4 kernel settings, e.g. (" amx=never", {"int4_min_rows": None})). `prefill`: each of `batches` is a prefill chunk's token
-    count ("prefill=<n>") instead of a decode batch."""
+    count ("prefill=<n>") instead of a decode batch; `block_layout`: the decode requests' block tables
+    (decode_batch)."""
     vocab = model.config.vocab_size
     runners = {(b, a): ((make_runner(model, 1, b, a), prefill_chunk(b, vocab)) if prefill else
-                        (make_runner(model, b, context, a), decode_batch(b, context, vocab)))
+                        (make_runner(model, b, context, a), decode_batch(b, context, vocab, block_layout)))
                for b in batches for a in attention}
     configs = configurations(list(switches), counts)
     samples: dict[tuple, list[float]] = {(b, a, c, d): [] for b, a in runners for c in configs for d, _ in dispatches}
@@ -151,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 15, 30])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=128, help="tokens already in each sequence's KV")
+    ap.add_argument("--block-layout", choices=BLOCK_LAYOUTS, default="contiguous",
+                    help="decode requests' block tables: one run each, or interleaved as requests that grow together get them")
     ap.add_argument("--prefill", type=int, nargs="+", default=None,
                     help="time one prefill chunk of each of these token counts instead of the decode batches")
     ap.add_argument("--rounds", type=int, default=7)
@@ -185,10 +208,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     switches = {rung: LayerSwitch(model, {i: quantize_layer_rtn(LayerWeights.of_layer(model.layers[i]), Precision(rung))
                                           for i in order.order[:max(args.layers)]}) for rung in args.rung}
     results = bench(model, switches, order.order, args.layers, args.prefill or args.batch, args.context,
-                    args.rounds, args.steps, CLOCKS[args.clock], args.attention, dispatches, prefill=bool(args.prefill))
+                    args.rounds, args.steps, CLOCKS[args.clock], args.attention, dispatches, prefill=bool(args.prefill),
+                    block_layout=args.block_layout)
     report = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": args.device,
               "capability": detect_capability(args.device).as_dict(), "loadavg_1_5_15": list(os.getloadavg()), "threads": torch.get_num_threads(),
-              "context": args.context, "prefill_tokens": args.prefill, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
+              "context": args.context, "block_layout": args.block_layout, "prefill_tokens": args.prefill, "clock": args.clock, "rounds": args.rounds, "steps_per_round": args.steps,
               "swap_order": order.source, "attention": args.attention, "rungs": args.rung,
               "int4": "rtn, group 128 (64 where needed)", "int8": "rtn, per output channel",
               "int4_amx_min_rows": args.int4_amx_min_rows, "int4_amx": int4_amx_reason() or "available",
