@@ -110,8 +110,9 @@ struct Item {
   Item one_head(int64_t h) const { return {table, row0, pos0, nt, h, 1}; }
 };
 
-// Prefetch distance in cache blocks (measured at 2-16 on 32 x 64/256 and 8 x 1,024: 4-8 best, 2 and 12-16 slower).
-constexpr int64_t kAheadBlocks = 6;
+// Prefetch distance in cache blocks. Measured on Zen 4 at batch 32 x 64 / 256 tokens, 8 x 1,024 and 1 x 512:
+// 3-6 within a few percent of each other (4 ahead by 0-7%), 2 and 10-16 slower.
+constexpr int64_t kAheadBlocks = 4;
 
 // What one work item reads, in order, as positions: its K blocks [0, n), its V blocks [n, 2n), then the next
 // item's K blocks (the same thread's next item, so its first blocks are in L2 when it starts).
