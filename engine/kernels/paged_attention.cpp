@@ -29,9 +29,9 @@
 // kernel read DRAM at ~10 GB/s of the ~40 that two Zen 4 cores stream. Both inner loops therefore prefetch
 // into L2 along the item's read order (its K blocks, its V blocks, then the thread's next item's K blocks:
 // `ReadStream`), kAheadBlocks ahead of the block being read, a slice of a block per inner iteration so the
-// requests spread out instead of filling the miss queue at once. bf16 on Zen 4: 0.64-0.69x the time per call
-// at batch 32 x 64 / 256 tokens and 8 x 1,024 with the cache in DRAM; in the offline throughput benchmark
-// 0.6-0.7x the decode attention time. fp32 (the generic loop): within the noise. Outputs are unchanged.
+// requests spread out instead of filling the miss queue at once. bf16 on Zen 4: 0.62-0.68x a decode step's
+// attention time at batch 8-32 and 256-1,024 tokens of context (README, wave 15); fp32 (the generic loop):
+// within the noise. Outputs are unchanged.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -241,7 +241,6 @@ inline __m512 hsum16(const __m512* a) {
 }
 
 inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-
 
 // acc[r] += p[r] . v for the rows r of the item's kv head head0 + h, over one block's keys [first, first + n)
 // (probabilities bf16, ld pkeys; the block's value rows interleaved in pairs, [pair][DIM][2]).
