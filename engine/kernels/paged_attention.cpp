@@ -175,7 +175,7 @@ void attend_generic_head(const T* q, const T* k, const T* v, T* out, const Item&
                          const Geometry& g, std::vector<float>& buf) {
   const ReadStream<T> stream(k, v, it, next, g);
   const int64_t dim = DIM > 0 ? DIM : g.dim, bs = g.block_size, rows = it.rows(g), keys = it.keys();
-  const int64_t nblocks = (keys + bs - 1) / bs;
+  const int64_t nblocks = stream.nblocks();
   buf.resize(rows * dim * 2 + dim + rows * keys);
   float* qf = buf.data();          // [rows, dim], pre-scaled
   float* acc = qf + rows * dim;    // [rows, dim]
@@ -215,9 +215,11 @@ void attend_generic(const T* q, const T* k, const T* v, T* out, const Item& it, 
                     const Geometry& g, std::vector<float>& buf) {
   for (int64_t h = it.head0; h < it.head0 + it.nheads; ++h) {
     // One head at a time: the stream runs on into the next head, or the thread's next item's first head.
-    const bool last = h + 1 == it.head0 + it.nheads;
-    const Item after = last ? (next != nullptr ? next->one_head(next->head0) : Item{}) : it.one_head(h + 1);
-    attend_generic_head<T, DIM>(q, k, v, out, it.one_head(h), last && next == nullptr ? nullptr : &after, scale, g, buf);
+    Item following{};
+    const Item* after = nullptr;
+    if (h + 1 < it.head0 + it.nheads) following = it.one_head(h + 1), after = &following;
+    else if (next != nullptr) following = next->one_head(next->head0), after = &following;
+    attend_generic_head<T, DIM>(q, k, v, out, it.one_head(h), after, scale, g, buf);
   }
 }
 
