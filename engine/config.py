@@ -58,7 +58,7 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(None, description="where converted models and host stores live; default $MORPHSERVE_CACHE or ~/.cache/morphserve")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores")
-    pack_lm_head: bool = Field(False, description="keep a second, oneDNN-packed copy of lm_head where linears are packed (CPU: bf16 with native bf16, or fp32): faster logits at decode (about 1.5x the head's speed at 1-32 rows in bf16, 2x in fp32 on AVX2) for its bytes in the budget (SmolLM2: 56.6 MB in bf16, 113 MB in fp32, less KV); off by default because the budget is what morphing trades")
+    pack_lm_head: bool = Field(False, description="keep a second, oneDNN-packed copy of a tied lm_head where the engine cannot pack it in place (its embedding lookup reads the plain table unless the head is in the engine's own vnni32 layout: fp32, or bf16 without the compiled kernels): faster logits at decode (about 2x the head's speed at 1-32 rows in fp32 on AVX2) for its bytes in the budget (SmolLM2: 113 MB in fp32, less KV); off by default because the budget is what morphing trades. Where the vnni32 layout runs (bf16 on a CPU with native bf16) the head is always packed in place, with no second copy, and this does nothing")
     # -- admission-time morphing (engine/morph/admission.py); the grant comes from the policy --
     output_reservation_tokens: int = Field(32, ge=0, description="output tokens reserved per request when sizing KV demand (SLO feedback may raise it)")
     admission_prefetch_layers: int = Field(4, ge=0, description="quantized layers read ahead while a step runs when the queue does not fit")

@@ -1,6 +1,6 @@
 """Everything an LLMEngine runs with, built in order before the engine object exists:
 
-    model + tokenizer (engine/loader.py) -> [pack_lm_head: packed lm_head copy, where packing pays]
+    model + tokenizer (engine/loader.py) -> [pack_lm_head: packed lm_head copy, where the runner cannot pack it in place]
       -> memory facts -> [morphing: host store, swap order, layers that start low] -> memory plan
       -> ledger, KV storage, block pool, block tables -> scheduler, pressure monitor
       -> KV resizer -> model runner (packs the layers) -> [morphing: packed store, morph executor]
@@ -72,7 +72,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config.model, config.torch_dtype, config.device, config.cache_path)
     mc, model = loaded.config, loaded.model
     if config.pack_lm_head and packing_available(model.dtype, config.device):  # before the plan: its bytes count
-        model.pack_head()
+        model.pack_head_copy()
     max_model_len = _max_model_len(config, mc)
     facts = memory_facts(config, mc, model, max_model_len)
     # Morphing first: its host store and starting precisions decide the plan.

@@ -16,7 +16,8 @@ from engine.errors import ModelLoadError
 from engine.layers.activation import silu_and_mul
 from engine.layers.attention import AttentionMetadata, paged_attention
 from engine.layers.linear import DenseLinear, FusedWeight, Linear, fuse_dense, tensor_nbytes
-from engine.layers.packed import PackedGroup, onednn_linear, pack_group, packed_group_of
+from engine.layers.packed import (PackedGroup, PackedLinear, onednn_linear, pack_group, packed_group_of, vnni_layout_fits,
+                                  vnni_rows)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -209,28 +210,58 @@ class Transformer(nn.Module):
                         else DenseLinear.empty(config.hidden_size, config.vocab_size, False, dtype, device))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
                                       config.rope_scaling, dtype, device)
-        self._packed_head: PackedGroup | None = None  # see pack_head
+        self._head_copy: PackedGroup | None = None  # see pack_head_copy
         self._onednn_head = False  # see pack_linears
 
-    def pack_head(self) -> None:
-        """Pre-pack lm_head for oneDNN (engine/layers/packed.py): at a decode step's few rows, F.linear
-        re-blocks the whole vocab x hidden matrix on every call (about 1.5x the packed call's time).
-        The packed copy is kept beside the plain one (a tied head's plain tensor is the embedding
-        table, which the lookup needs) and counted in base_weight_bytes(), so call this before the
-        memory plan reads them (engine/engine_builder.py does, with EngineConfig.pack_lm_head). Idempotent."""
-        if self._packed_head is None:
-            self._packed_head = PackedGroup(self.lm_head.weight, self.lm_head.bias)
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def head_packed_in_place(self) -> bool:
+        """lm_head is its vnni32-packed self, with no plain copy (see pack_linears)."""
+        return isinstance(self.lm_head, PackedLinear)
+
+    def pack_head_copy(self) -> None:
+        """Keep a second, oneDNN-packed copy of lm_head beside the plain one, where pack_linears cannot
+        pack it in place (a tied head in oneDNN's opaque layout, which the embedding lookup cannot read:
+        fp32). At a decode step's few rows F.linear re-blocks the whole vocab x hidden matrix on every call.
+        The copy is counted in base_weight_bytes(), so call this before the memory plan reads them
+        (engine/engine_builder.py does, with EngineConfig.pack_lm_head). Idempotent; a no-op where the head
+        packs in place."""
+        if self._head_copy is None and not vnni_layout_fits(self.lm_head.weight):
+            self._head_copy = PackedGroup(self.lm_head.weight, self.lm_head.bias)
 
     def pack_linears(self) -> None:
-        """Pre-pack every layer's dense linears for oneDNN from now on, including layers installed later
-        by a swap or restore (engine/layers/packed.py). Call after the weights are loaded: hf_tensors()
-        of a packed layer returns copies, not the storage."""
+        """Pre-pack every layer's dense linears from now on, including layers installed later by a swap
+        or restore, and lm_head in place where the vnni32 layout holds it (engine/layers/packed.py). Call
+        after the weights are loaded: hf_tensors() of a packed layer or head returns copies, not the storage."""
         for layer in self.layers:
             layer.pack = True
             layer._fuse()
+        self._pack_head_in_place()
         # fp32: F.linear is MKL's sgemm; oneDNN on the same plain head (no second copy) took 0.43-0.52x
         # its time at 1-32 rows on an AVX2 EPYC. In bf16 F.linear is oneDNN already.
         self._onednn_head = self.dtype == torch.float32
+
+    def _pack_head_in_place(self) -> None:
+        """lm_head -> a PackedLinear over its vnni32 layout, and the plain tensor is dropped: same bytes,
+        so the ledger is unchanged. F.linear re-blocks the 49,152 x 576 head of SmolLM2 on every call: in a
+        decode step the logits took 0.29-0.36x its time at batch 1 and 0.57-0.60x at 32 (ops/bench/lm_head.py,
+        Zen 4, 2 threads). A tied table is the embedding too; the lookup then reads its rows from the packed
+        layout (embed)."""
+        if self.head_packed_in_place or not vnni_layout_fits(self.lm_head.weight):
+            return
+        _, (head,) = pack_group(self.lm_head.weight, self.lm_head.bias, [self.config.vocab_size])
+        self.lm_head = head
+        if self.config.tie_word_embeddings:
+            self.embed_weight = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] long -> [T, H]: rows of the embedding table, wherever it lives."""
+        if self.embed_weight is None:  # tied, and kept only as the packed head
+            return vnni_rows(self.lm_head.group.packed, input_ids)
+        return F.embedding(input_ids, self.embed_weight)
 
     @property
     def max_positions(self) -> int:
@@ -239,7 +270,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache]) -> torch.Tensor:
         """input_ids, positions: [T] long; kv_caches[l] = layer l's (k, v) views -> hidden [T, H]."""
-        x = F.embedding(input_ids, self.embed_weight)  # [T, H]
+        x = self.embed(input_ids)  # [T, H]
         residual = None  # the hidden states are x + residual (x alone while None)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             if layer.fuse_residual:
@@ -251,15 +282,16 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> fp32 logits [N, vocab]."""
         normed = self.norm(hidden)
-        if self._packed_head is not None:
-            return self._packed_head(normed).float()
+        if self._head_copy is not None:
+            return self._head_copy(normed).float()
         if self._onednn_head:
             return onednn_linear(normed, self.lm_head.weight, self.lm_head.bias).float()
         return self.lm_head(normed).float()
 
     def hf_tensors(self) -> dict[str, torch.Tensor]:
         """HF name -> the tensor this model owns for it (what build_model fills)."""
-        out = {"model.embed_tokens.weight": self.embed_weight, "model.norm.weight": self.norm.weight}
+        embed = self.lm_head.weight if self.embed_weight is None else self.embed_weight  # a copy if packed
+        out = {"model.embed_tokens.weight": embed, "model.norm.weight": self.norm.weight}
         if not self.config.tie_word_embeddings:
             out["lm_head.weight"] = self.lm_head.weight
         for i, layer in enumerate(self.layers):
@@ -271,15 +303,15 @@ class Transformer(nn.Module):
         return out
 
     def base_weight_bytes(self) -> int:
-        """Bytes outside the swappable linears: embeddings, every norm, lm_head (once if tied; plus its
-        packed copy, see pack_head), RoPE cache."""
-        tensors = [self.embed_weight, self.norm.weight, self.rotary.cos, self.rotary.sin]
-        if not self.config.tie_word_embeddings:
-            tensors.append(self.lm_head.weight)
+        """Bytes outside the swappable linears: embeddings, every norm, lm_head (once if tied, in whichever
+        of the two it lives; plus its packed copy, see pack_head_copy), RoPE cache."""
+        tensors = [self.embed_weight, self.norm.weight, self.rotary.cos, self.rotary.sin]  # tensor_nbytes(None) = 0
         for layer in self.layers:
             tensors.extend(layer.get_norm_weights().values())
-        packed_head = 0 if self._packed_head is None else self._packed_head.nbytes()
-        return sum(tensor_nbytes(t) for t in tensors) + packed_head
+        shares_embed = self.config.tie_word_embeddings and self.embed_weight is not None
+        head = 0 if shares_embed else self.lm_head.nbytes()
+        copy = 0 if self._head_copy is None else self._head_copy.nbytes()
+        return sum(tensor_nbytes(t) for t in tensors) + head + copy
 
     def layer_weight_bytes(self, i: int) -> int:
         """Bytes of layer i's 7 linears at their current precision."""

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from engine.layers.packed import PackedLinear, packing_available, vnni_op
 from engine.loader import load_model
 from engine.morph.profiler import LayerSwitch
 from engine.precision import Precision
 from engine.quant.awq import LayerWeights, quantize_layer_rtn
-from ops.bench import decode_step
+from ops.bench import decode_step, lm_head
+from tests.conftest import make_tiny_hf_model
 
 
 def test_prefill_chunk_covers_its_tokens_with_whole_blocks():
@@ -53,3 +56,16 @@ def test_dispatch_settings_resolve_auto_like_the_engine():
     assert settings == {" amx=auto": {"int4_min_rows": resolve_int4_min_rows("auto"), "int4_avx2": True},
                         " amx=never": {"int4_min_rows": None, "int4_avx2": True},
                         " amx=8": {"int4_min_rows": 8, "int4_avx2": True}}
+
+
+def test_lm_head_bench_compares_both_heads_and_leaves_the_packed_one(tmp_path):
+    """ops/bench/lm_head.py on a tiny tied model in bf16, where the head packs in place."""
+    if not (packing_available(torch.bfloat16, "cpu") and vnni_op() is not None):
+        pytest.skip("lm_head packs in place only in the vnni32 layout (bf16 with native bf16, kernels built)")
+    model = load_model(str(make_tiny_hf_model(tmp_path / "m", tie_word_embeddings=True)), torch.bfloat16, "cpu").model
+    results = lm_head.bench(model, [1, 2], context=20, rounds=2, steps=1, layout="interleaved")
+    assert set(results) == {"batch=1", "batch=2"}
+    assert all(len(r["round_ratios"]) == 2 and min(r["packed_ms"], r["plain_ms"], r["packed_logits_ms"], r["plain_logits_ms"]) > 0
+               for r in results.values())
+    assert "compute_logits" not in vars(model)  # the clock unwrapped it
+    assert isinstance(model.lm_head, PackedLinear) and model.embed_weight is None  # the engine's form again

@@ -7,11 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.packed import PackedLinear, packing_available
+from engine.layers.linear import DenseLinear
+from engine.layers.packed import PackedLinear, packing_available, vnni_op
+from engine.loader import load_model
 from engine.morph.actions import RestoreLayer, SwapLayer
 from engine.precision import Precision, torch_dtype
 from engine.sampling_params import SamplingParams
 from tests.morph_helpers import engine_for, one_thread  # noqa: F401 (one_thread is a fixture)
+from tests.conftest import make_tiny_hf_model
 from tests.test_layer_swapper import current_tensors, original_tensors
 
 PACKED_DTYPES = [p for p in (Precision.BF16, Precision.FP32) if packing_available(torch_dtype(p), "cpu")]
@@ -43,7 +46,6 @@ def assert_same(got, want, dtype: str) -> None:
 
 
 def _dense(lin):
-    from engine.layers.linear import DenseLinear
     return DenseLinear(lin.weight, None if lin.bias is None else lin.bias.clone())
 
 
@@ -69,25 +71,71 @@ def test_packed_model_matches_plain_and_counts_the_same_bytes(tiny_model_dir, tm
         assert_same(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), dtype)
 
 
-@by_dtype
-def test_packed_head_gives_the_same_logits_and_is_counted(tiny_model_dir, tmp_path, dtype):
-    assert engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False).model._packed_head is None
-    engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False, pack_lm_head=True)
-    model = engine.model
-    head = model._packed_head
-    assert head is not None  # packed by the builder, before the memory plan
-    plain = sum(t.numel() * t.element_size() for t in
-                [model.embed_weight, model.norm.weight, model.rotary.cos, model.rotary.sin]
-                + ([] if model.config.tie_word_embeddings else [model.lm_head.weight])
-                + [w for layer in model.layers for w in layer.get_norm_weights().values()])
-    ledger_base = engine.ledger.weights - sum(engine.ledger.layer_weights(i) for i in range(len(model.layers)))
-    assert model.base_weight_bytes() == plain + head.nbytes() == ledger_base
+def _plain_base_bytes(model) -> int:
+    """base_weight_bytes() of a model with plain tables (no head packed, no copy): the embedding (and an
+    untied head), every norm, RoPE."""
+    c = model.config
+    tables = (1 if c.tie_word_embeddings else 2) * c.vocab_size * c.hidden_size * model.embed_weight.element_size()
+    tensors = [model.norm.weight, model.rotary.cos, model.rotary.sin] + \
+        [w for layer in model.layers for w in layer.get_norm_weights().values()]
+    return tables + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _ledger_base(engine) -> int:
+    return engine.ledger.weights - sum(engine.ledger.layer_weights(i) for i in range(len(engine.model.layers)))
+
+
+def _check_head_logits(model, want_weight, dtype) -> None:
     hidden = torch.randn(7, model.config.hidden_size, dtype=torch_dtype(Precision(dtype)))
     normed = model.norm(hidden)
-    want = torch.nn.functional.linear(normed, model.lm_head.weight, model.lm_head.bias).float()
     logits = model.compute_logits(hidden)
-    assert_same(logits, want, dtype)
+    assert_same(logits, torch.nn.functional.linear(normed, want_weight, model.lm_head.bias).float(), dtype)
     assert torch.equal(model.compute_logits(hidden[2:3]), logits[2:3])  # row-invariant
+
+
+IN_PLACE = "bf16" in [p.value for p in PACKED_DTYPES] and vnni_op() is not None
+
+
+@pytest.mark.skipif(not IN_PLACE, reason="lm_head packs in place in the vnni32 layout: bf16 with native bf16, kernels built")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_head_packs_in_place_with_the_same_bytes_logits_and_tokens(tmp_path, tied):
+    model_dir = make_tiny_hf_model(tmp_path / "model", tie_word_embeddings=tied)
+    plain = load_model(str(model_dir), torch.bfloat16, "cpu").model  # never packed: the reference
+    engine = engine_for(model_dir, tmp_path / "cache", dtype="bf16", enable_morphing=False, pack_lm_head=True)
+    model = engine.model
+    assert model.head_packed_in_place and model._head_copy is None  # pack_lm_head: nothing left to copy
+    assert isinstance(model.lm_head, PackedLinear) and (model.embed_weight is None) == tied  # no plain table kept
+    assert model.base_weight_bytes() == _plain_base_bytes(plain) == _ledger_base(engine)
+    want = plain.embed_weight
+    head = want if tied else plain.lm_head.weight
+    assert torch.equal(model.lm_head.weight, head)  # read back bit-identical
+    ids = torch.tensor([0, 31, 32, 255, 7, 7])  # block edges, the last row, a repeat
+    assert torch.equal(model.embed(ids), torch.nn.functional.embedding(ids, want))
+    assert torch.equal(model.hf_tensors()["model.embed_tokens.weight"], want)
+    _check_head_logits(model, head, "bf16")
+    packed = generate(engine)
+    weight = model.lm_head.weight  # back to a plain head (and table): the same greedy tokens
+    model.lm_head = DenseLinear(weight, model.lm_head.bias)
+    if tied:
+        model.embed_weight = weight
+    assert not model.head_packed_in_place
+    assert generate(engine) == packed
+
+
+@by_dtype
+def test_head_copy_gives_the_same_logits_and_is_counted(tiny_model_dir, tmp_path, dtype):
+    """pack_lm_head's second copy, where the head cannot pack in place."""
+    model = engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False).model
+    assert model._head_copy is None
+    engine = engine_for(tiny_model_dir, tmp_path, dtype=dtype, enable_morphing=False, pack_lm_head=True)
+    model = engine.model
+    if model.head_packed_in_place:
+        assert model._head_copy is None
+        pytest.skip("the head packed in place: no copy to keep (test_head_packs_in_place_...)")
+    head = model._head_copy
+    assert head is not None  # packed by the builder, before the memory plan
+    assert model.base_weight_bytes() == _plain_base_bytes(model) + head.nbytes() == _ledger_base(engine)
+    _check_head_logits(model, model.lm_head.weight, dtype)  # the plain head, still kept
 
 
 @by_dtype

@@ -94,6 +94,16 @@ def unpack_vnni(packed: Tensor) -> Tensor:
     return as_pairs.transpose(1, 2).contiguous().view(torch.bfloat16).view(blocks * VNNI_BLOCK, pairs * 2)
 
 
+def vnni_rows(packed: Tensor, ids: Tensor) -> Tensor:
+    """Rows `ids` ([T] long) of the plain weight, read from its vnni32 layout: what F.embedding(ids, plain)
+    returns, for a tied embedding kept only packed (`Transformer.pack_linears`). Row r is column r % 32 of
+    block r // 32, one (k even, k odd) int32 pair per pair-row: gathering int32s took half the time of
+    gathering bf16 pairs (1.3 ms for 1,024 tokens of SmolLM2 at 2 threads, beside a prefill's ~1 s)."""
+    blocks, pairs = packed.shape[:2]
+    as_pairs = packed.view(torch.int32).view(blocks, pairs, VNNI_BLOCK)
+    return as_pairs[ids // VNNI_BLOCK, :, ids % VNNI_BLOCK].view(torch.bfloat16)  # [T, pairs] int32 -> [T, in]
+
+
 def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether full-precision linears of `dtype` on `device` are packed (see the module docstring)."""
     dev = torch.device(device)

@@ -19,7 +19,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine import datasets
 from engine.errors import DataUnavailableError, ModelLoadError
@@ -94,7 +93,7 @@ class DenseRunner:
         if seq_len > model.max_positions:
             raise ValueError(f"seq_len {seq_len} exceeds the model's {model.max_positions} positions")
         self.model, t = model, num_seqs * seq_len
-        device, c = model.embed_weight.device, model.config
+        device, c = model.device, model.config
         self.positions = torch.arange(seq_len, device=device).repeat(num_seqs)  # [T]
         self.meta = AttentionMetadata(
             write_blocks=torch.zeros(t, dtype=torch.long, device=device),
@@ -106,7 +105,7 @@ class DenseRunner:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B, S] long -> [T, H]."""
-        return F.embedding(tokens.reshape(-1).to(self.model.embed_weight.device), self.model.embed_weight)
+        return self.model.embed(tokens.reshape(-1).to(self.model.device))
 
     def run_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.model.layers[i](x, self.positions, self.model.rotary, self.meta, self.kv)

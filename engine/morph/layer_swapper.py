@@ -102,7 +102,7 @@ class LayerSwapper:
                  packed: PackedStore | None = None):
         self.model, self.store, self.ledger, self.kv_resizer = model, store, ledger, kv_resizer
         self.packed = packed  # full precision in oneDNN's layout, when the model runs pre-packed layers
-        self.device = model.embed_weight.device
+        self.device = model.device
         self._prefetched: dict[tuple[int, Precision], Future] = {}
         self._heap_backed = set(range(len(model.layers)))  # layers whose weights live on the heap (the loader's)
         self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="morph-prefetch")

@@ -94,7 +94,7 @@ class LayerSwitch:
 
     def __init__(self, model: Transformer, quantized: dict[int, QuantizedLayer]):
         self.model = model
-        device = model.embed_weight.device
+        device = model.device
         self.full = {i: (model.layers[i].get_linears(), model.layers[i].get_norm_weights()) for i in quantized}
         self.variants = {i: (q.build_linears(device), {n: t.to(device, model.dtype) for n, t in q.norms.items()})
                      for i, q in quantized.items()}

