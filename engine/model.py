@@ -253,9 +253,14 @@ class Transformer(nn.Module):
         if self.head_packed_in_place or not vnni_layout_fits(self.lm_head.weight):
             return
         _, (head,) = pack_group(self.lm_head.weight, self.lm_head.bias, [self.config.vocab_size])
+        self.set_head(head)
+
+    def set_head(self, head: Linear) -> None:
+        """Install `head` as lm_head. Invariant: a tied plain head's weight is the embedding table; a tied
+        packed head keeps no table (embed reads its rows from the packed layout)."""
         self.lm_head = head
         if self.config.tie_word_embeddings:
-            self.embed_weight = None
+            self.embed_weight = None if self.head_packed_in_place else head.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] long -> [T, H]: rows of the embedding table, wherever it lives."""

@@ -114,10 +114,7 @@ def test_head_packs_in_place_with_the_same_bytes_logits_and_tokens(tmp_path, tie
     assert torch.equal(model.hf_tensors()["model.embed_tokens.weight"], want)
     _check_head_logits(model, head, "bf16")
     packed = generate(engine)
-    weight = model.lm_head.weight  # back to a plain head (and table): the same greedy tokens
-    model.lm_head = DenseLinear(weight, model.lm_head.bias)
-    if tied:
-        model.embed_weight = weight
+    model.set_head(DenseLinear(model.lm_head.weight, model.lm_head.bias))  # plain again: the same greedy tokens
     assert not model.head_packed_in_place
     assert generate(engine) == packed
 

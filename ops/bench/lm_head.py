@@ -33,13 +33,6 @@ from ops.bench.decode_step import BLOCK_LAYOUTS, decode_batch, make_runner, time
 HEADS = ("packed", "plain")
 
 
-def use_head(model: Transformer, head: torch.nn.Module) -> None:
-    """Install `head` as lm_head; a tied plain head is the embedding table again (packed: none is kept)."""
-    model.lm_head = head
-    if model.config.tie_word_embeddings:
-        model.embed_weight = None if model.head_packed_in_place else head.weight
-
-
 class LogitsClock:
     """Seconds spent in model.compute_logits (final norm, head, fp32 cast) inside the steps, wrapped on the
     instance while in use: the head's own share, which the whole step's time dilutes with noise."""
@@ -80,7 +73,7 @@ def bench(model: Transformer, batches: Sequence[int], context: int, rounds: int,
         with LogitsClock(model) as clock:
             for r in range(rounds + 1):
                 for h in HEADS:
-                    use_head(model, heads[h])
+                    model.set_head(heads[h])
                     for b, (runner, step) in runners.items():
                         t = time_steps(runner, step, steps)
                         head = clock.take()
@@ -88,7 +81,7 @@ def bench(model: Transformer, batches: Sequence[int], context: int, rounds: int,
                             steps_s[(b, h)].append(t)
                             logits_s[(b, h)].append(head)
     finally:
-        use_head(model, heads["packed"])
+        model.set_head(heads["packed"])
     out = {}
     for b in batches:
         ratios = [p / q for p, q in zip(steps_s[(b, "packed")], steps_s[(b, "plain")])]
