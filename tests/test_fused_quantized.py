@@ -1,4 +1,4 @@
-"""Quantized q/k/v and gate/up run as one kernel call: outputs bit-identical to the members run one by
+"""Quantized q/k/v and gate/up run as one kernel call (o and down as one lean call each): outputs bit-identical to the members run one by
 one, no extra bytes (members become slices of the fused tensors), and members still work alone."""
 from __future__ import annotations
 
@@ -34,9 +34,25 @@ def test_fused_call_equals_members_and_adds_no_bytes(kind, bias):
     assert torch.equal(torch.cat([lin(x) for lin in linears], dim=-1), separate)  # each still runs alone
 
 
+@pytest.mark.parametrize("kind, shape", [("int8", (2, 256)), ("int4", (2, 256)), ("int4", (3, 1, 256)), ("int8", (1, 4, 256))])
+def test_a_group_of_one_is_the_linear_itself(kind, shape):
+    # o_proj and down_proj run through this call (no module call): the same bits as the module, any leading
+    # shape, in the serving dtype and in fp32 (cast in and out), and nothing re-pointed.
+    lin = members(kind, bias=kind == "int8")[0]
+    held = {n: b.data_ptr() for n, b in lin.named_buffers() if b is not None}
+    call = fuse_quantized([lin])
+    assert call is not None and call.out_features == lin.out_features
+    assert {n: b.data_ptr() for n, b in lin.named_buffers() if b is not None} == held
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(shape).to(dtype)
+        y = call(x)
+        assert y.dtype == dtype and y.shape == (*shape[:-1], lin.out_features)
+        assert torch.equal(y, lin(x))
+
+
 def test_groups_that_cannot_fuse_are_left_alone():
     int8, int4 = members("int8"), members("int4")
     assert fuse_quantized([int8[0], int4[1]]) is None  # mixed formats
-    assert fuse_quantized(int8[:1]) is None  # nothing to fuse
+    assert fuse_quantized([]) is None
     odd = [Int4Linear(quantize_int4(torch.randn(n, 256), 64)) for n in (96, 32)]  # not on 64-row blocks
     assert fuse_quantized(odd) is None

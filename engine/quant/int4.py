@@ -132,10 +132,13 @@ class Int4Linear(nn.Module):
             if self.packed.device.type != self.backend:
                 raise RuntimeError(f"Int4Linear was packed for {self.backend} and then moved to {self.packed.device}; "
                                    f"build it from its Int4Weight on the device it runs on")
-            # no-op unless someone cast the module, or it is a column slice of a fused group (quant/fused.py)
-            sz = self.scales_and_zeros.to(KERNEL_DTYPE).contiguous()
-            y = int4_mm(x.reshape(-1, self.in_features), self.packed, self.group_size, sz, self.amx, self.avx2)
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            sz = self.scales_and_zeros
+            if sz.dtype != KERNEL_DTYPE or not sz.is_contiguous():  # someone cast the module, or it is a
+                sz = sz.to(KERNEL_DTYPE).contiguous()  # column slice of a fused group (quant/fused.py)
+            y = int4_mm(x if x.dim() == 2 else x.reshape(-1, self.in_features), self.packed, self.group_size, sz,
+                        self.amx, self.avx2)
+            if x.dim() != 2:
+                y = y.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y

@@ -133,6 +133,8 @@ def int4_mm(x: Tensor, packed: Tensor, group_size: int, scales_and_zeros: Tensor
     this layout have no native bf16, where torch's kernel would emulate it); else `kernel_mm` in bf16."""
     if avx2 and amx_dispatch().int4_avx2:
         return torch.ops.morphserve.int4_avx2_mm(x.float(), packed, group_size, scales_and_zeros).to(x.dtype)
+    if x.dtype == KERNEL_DTYPE:  # the serving dtype: two .to() no-ops cost ~3 us a call (4 calls a layer)
+        return kernel_mm(x, packed, group_size, scales_and_zeros, amx)
     return kernel_mm(x.to(KERNEL_DTYPE), packed, group_size, scales_and_zeros, amx).to(x.dtype)
 
 
