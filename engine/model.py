@@ -88,11 +88,13 @@ class DecoderLayer(nn.Module):
         """q/k/v -> one matmul, gate/up -> one matmul, when each group is all DenseLinear (fewer, larger
         matmuls are faster on CPU). The 7 linears stay what get_linears() returns; the fused weights
         share their storage (see fuse_dense), so memory and the ledger's bytes are unchanged. A quantized
-        or mixed group runs its linears one by one.
+        group is one kernel call where its format allows (engine/quant/fused.py); a mixed group runs its
+        linears one by one.
 
         With `pack` set (Transformer.pack_linears), each dense group (q/k/v, o, gate/up, down) is then
         packed for oneDNN (engine/layers/packed.py) and its linears become PackedLinear rows of it: the
-        plain copy is dropped, so packing happens here, when a layer is loaded or restored."""
+        plain copy is dropped, so packing happens here, when a layer is loaded or restored. A quantized
+        o or down then runs through the same lean call as a fused group, not as a module."""
         # Plain (weight, bias) tuples or PackedGroups, not modules or buffers: their storage is the
         # linears' own, counted once.
         self._qkv, self._gate_up = (self._group(names) for names in FUSED_GROUPS)
