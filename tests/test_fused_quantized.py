@@ -1,5 +1,6 @@
-"""Quantized q/k/v and gate/up run as one kernel call (o and down as one lean call each): outputs bit-identical to the members run one by
-one, no extra bytes (members become slices of the fused tensors), and members still work alone."""
+"""Quantized q/k/v and gate/up run as one kernel call (o and down as one lean call each): outputs
+bit-identical to the members run one by one, no extra bytes (members become slices of the fused tensors),
+and members still work alone."""
 from __future__ import annotations
 
 import pytest

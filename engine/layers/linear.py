@@ -37,6 +37,17 @@ class Linear(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+def as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [..., in] -> [tokens, in] for a kernel that takes rows: x itself when it already is (a reshape
+    costs ~1 us in Python, and a quantized layer makes 4 kernel calls a step)."""
+    return x if x.dim() == 2 else x.reshape(-1, in_features)
+
+
+def like_input(y: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A kernel's [tokens, out] back to x's leading dimensions (as_rows' inverse)."""
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
+
+
 def tensor_nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 

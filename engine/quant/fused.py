@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from engine.layers.linear import fuse_rows
+from engine.layers.linear import as_rows, fuse_rows, like_input
 from engine.quant.int4 import Int4Linear
 from engine.quant.int4_kernel import int4_mm
-from engine.quant.int8 import KERNEL_DTYPE, Int8Linear, int8_mm
+from engine.quant.int8 import Int8Linear, int8_mm
 
 _INT4_ROW_BLOCK = 64  # output rows per packed block on AVX512 (AVX2: 32): members must end on a block
 
@@ -42,19 +42,13 @@ class FusedQuantized:
         # than its kernel at 1-16 rows, ~40 us a layer with the q/k/v and gate/up calls). A decode step
         # with 30 INT4 layers went from 0.72x to 0.63x the bf16 step at batch 1, 1.01x to 0.98x at 16
         # (README, Performance, wave 17).
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        x2 = as_rows(x, self.in_features)
         if self.kind == "int8":  # scales stay fp32 (the members' own storage)
-            y = int8_mm(_as_kernel_dtype(x2), self.weight, self.scales, self.amx)
-            y = y if y.dtype == x.dtype else y.to(x.dtype)
+            y = int8_mm(x2, self.weight, self.scales, self.amx)
         else:
             y = int4_mm(x2, self.weight, self.group_size, self.scales, self.amx, self.avx2)
-        if x.dim() != 2:
-            y = y.reshape(*x.shape[:-1], self.out_features)
+        y = like_input(y, x, self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
-
-
-def _as_kernel_dtype(x: Tensor) -> Tensor:
-    return x if x.dtype == KERNEL_DTYPE else x.to(KERNEL_DTYPE)
 
 
 def _cat(parts: Sequence[Tensor], dim: int) -> Tensor:

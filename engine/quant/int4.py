@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import ModelLoadError
+from engine.layers.linear import as_rows, like_input
 from engine.precision import Precision
 from engine.quant.int4_kernel import (KERNEL_GROUP_SIZES, PackedInt4Weight, amx_eligible, avx2_eligible, int4_mm,
                                       kernel_codes, kernel_layout, layout_backend, pack_int4)
@@ -135,10 +136,8 @@ class Int4Linear(nn.Module):
             sz = self.scales_and_zeros
             if sz.dtype != KERNEL_DTYPE or not sz.is_contiguous():  # someone cast the module, or it is a
                 sz = sz.to(KERNEL_DTYPE).contiguous()  # column slice of a fused group (quant/fused.py)
-            y = int4_mm(x if x.dim() == 2 else x.reshape(-1, self.in_features), self.packed, self.group_size, sz,
-                        self.amx, self.avx2)
-            if x.dim() != 2:
-                y = y.reshape(*x.shape[:-1], self.out_features)
+            y = like_input(int4_mm(as_rows(x, self.in_features), self.packed, self.group_size, sz, self.amx,
+                                   self.avx2), x, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y
