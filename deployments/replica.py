@@ -234,11 +234,13 @@ class LLMServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """What the pressure-aware router (deployments/router.py) reads: the KV blocks a new request
         may take now (free, less what running requests are owed and what the queue needs) and the prompt
-        tokens a new request's first token waits behind. `taken_at` is
-        the wall-clock time of the step boundary the snapshot describes (it can be a long step old): the
-        router counts every request it sent after that as not yet in these figures."""
-        snapshot = self.engine.pressure()
-        taken_at = time.time() - max(0.0, time.monotonic() - snapshot.time)
+        tokens a new request's first token waits behind. `taken_at` is the wall-clock cutoff of
+        the snapshot (`AsyncLLMEngine.pressure_with_cutoff`): every request that reached the engine before
+        it is in these figures, none after it, so the router counts every request it sent after it as
+        not yet in them. The cutoff lies before the snapshot's step (it can be a long step old): counting
+        from the step's end instead hid every request sent during a prefill step from the router."""
+        snapshot, cutoff = self.engine.pressure_with_cutoff()
+        taken_at = time.time() - max(0.0, time.monotonic() - cutoff)
         if self.engine.num_live == 0:  # idle: the thread published its last round and nothing changed
             taken_at = time.time()  # since (an idle engine does not step, so its snapshot would look stale)
         return ReplicaLoad(free_blocks=snapshot.available_blocks - snapshot.waiting_demand_blocks,

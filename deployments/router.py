@@ -11,12 +11,17 @@ A replica's stats are its latest pressure figures: the KV blocks a new request m
 net of demand: less what running requests are still owed inside their output reservation and what
 the waiting queue needs, engine/demand.py), how many of those its morph added (capacity now less
 the capacity at full precision), waiting requests, the prompt tokens it has yet to prefill (its
-prefill backlog), block size, output reservation, the layers it holds quantized, and the wall-clock
-time of the step boundary they describe. A request needs the blocks admission reserves for it: its
+prefill backlog), block size, output reservation, the layers it holds quantized, and their cutoff:
+the wall-clock time up to which requests that reached the engine are in them (the start of the step
+they were taken after, AsyncLLMEngine.pressure_with_cutoff). A request needs the blocks admission reserves for it: its
 prompt plus the output reservation (capped by its max_tokens). The router counts the requests it has
-itself sent there since that time (its in-flight record: their blocks come off the headroom, their
-prompts onto the backlog; a fresh report resets it, as the report then includes them), so a burst
-does not all land on the replica that looked emptiest at the last report. Each replica then falls in
+itself sent there since that cutoff, less the time a request takes to reach the engine (`transit_s`;
+its in-flight record: their blocks come off the headroom, their prompts onto the backlog; a fresh
+report resets it, as the report then includes them), so a burst does not all land on the replica that
+looked emptiest at the last report. (Until wave 18 the figures were dated at the step's *end*: every
+request sent during a step, ~0.65 s for a 512-token prefill chunk on one thread, was in neither the
+figures nor the count, so in a burst the router saw the replica that was prefilling as emptier than
+it was.) Each replica then falls in
 a class:
 
     fits:         nothing waiting there and the request fits in the room it would have at full
@@ -69,6 +74,9 @@ STATS_KIND = "morphserve-kv"  # marks stats this router understands
 FitClass = str  # "fits" | "fits_morphed" | "no_fit": how a request fits a replica's KV now
 Decision = str  # a FitClass (of the chosen replica) | "stale" | "no_queue_len" | "other_call"
 FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best first
+# Ingress -> engine command queue: a Ray actor call plus the replica's event loop, a few ms when idle
+# and tens of ms on a saturated 2-core machine; a request sent this long before a cutoff counts as sent after it.
+TRANSIT_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +85,7 @@ class ReplicaLoad:
     free_blocks: int  # KV blocks a new request may take: free, net of running and waiting demand
     num_waiting: int  # requests the engine has not admitted yet
     block_size: int  # tokens per KV block
-    taken_at: float  # wall clock (time.time) of the step boundary the figures describe
+    taken_at: float  # wall clock (time.time) up to which requests that reached the replica are in the figures
     reservation_tokens: int = 0  # output tokens admission reserves per request (engine/demand.py)
     num_quantized: int = 0  # layers it holds quantized now
     morph_blocks: int = 0  # KV blocks its morph added (capacity now less at full precision); a restore takes them
@@ -164,10 +172,16 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
 
 class InFlight:
     """What this router sent to each replica, by when (router wall clock), kept for `keep_s`: requests
-    sent after a replica's stats were taken are not in them yet."""
+    sent after a replica's stats' cutoff are not in them yet. `transit_s`: how long a request may take
+    from here to the engine's command queue; one sent that long before the cutoff may still have been
+    on its way, so it is counted too (counted twice for at most one report if it had arrived, which
+    errs towards spreading a burst; missed, it would pile the burst on that replica)."""
 
-    def __init__(self, keep_s: float):
+    def __init__(self, keep_s: float, transit_s: float = 0.0):
+        if transit_s < 0:
+            raise ValueError(f"transit_s must be >= 0, got {transit_s}")
         self.keep_s = keep_s
+        self.transit_s = transit_s
         self._sent: dict[Hashable, collections.deque[tuple[float, Sent]]] = collections.defaultdict(collections.deque)
 
     def record(self, replica_id: Hashable, at: float, sent: Sent) -> None:
@@ -177,19 +191,19 @@ class InFlight:
             queue.popleft()
 
     def since(self, replica_id: Hashable, taken_at: float) -> Sent:
-        """The sum sent there after `taken_at`: a fresh report resets this to what followed it."""
-        after = [sent for at, sent in self._sent.get(replica_id, ()) if at >= taken_at]
+        """The sum sent there after `taken_at` (less `transit_s`): a fresh report resets this to what followed it."""
+        after = [sent for at, sent in self._sent.get(replica_id, ()) if at >= taken_at - self.transit_s]
         return Sent(sum(s.blocks for s in after), sum(s.tokens for s in after))
 
 
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, stale_after_s: float = 2.0, morphed_penalty: float = 0.0, no_fit_penalty: float = 0.0,
-                         **kwargs: Any) -> None:
+                         transit_s: float = TRANSIT_S, **kwargs: Any) -> None:
         """Keyword arguments come from the deployment's `request_router_config.request_router_kwargs`."""
         super().initialize_state(**kwargs)
         self.stale_after_s = stale_after_s
         self.penalties = Penalties(morphed=morphed_penalty, no_fit=no_fit_penalty)
-        self._in_flight = InFlight(keep_s=2 * stale_after_s)
+        self._in_flight = InFlight(keep_s=2 * stale_after_s, transit_s=transit_s)
         self._decisions = self._choices = None  # the counters, made on first use inside the ingress replica
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):

@@ -86,7 +86,9 @@ class AsyncLLMEngine:
         self._sinks: dict[str, Callable[[Any], None]] = {}  # touched only by the stepping thread
         self._stopped = False
         self._dead: BaseException | None = None
-        self._pressure = self.engine.pressure()
+        # (snapshot, cutoff): the latest snapshot and the monotonic time of the command drain before it;
+        # one tuple, so a reader on the event loop never pairs a snapshot with another round's cutoff.
+        self._published = (self.engine.pressure(), time.monotonic())
         self._morph_state = self.engine.morph_state()
         self._live = 0  # requests admitted and not yet finished; touched only on the event loop
         self._heartbeat = time.monotonic()  # stamped by the stepping thread after every round
@@ -118,7 +120,16 @@ class AsyncLLMEngine:
 
     def pressure(self) -> PressureSnapshot:
         """The snapshot taken after the latest step or command."""
-        return self._pressure
+        return self._published[0]
+
+    def pressure_with_cutoff(self) -> tuple[PressureSnapshot, float]:
+        """The latest snapshot and its cutoff (time.monotonic): every request posted before the cutoff
+        is in the snapshot, none posted after it. The cutoff is when the thread took the commands of the
+        round that produced the snapshot, i.e. *before* that round's step: a request posted during a step
+        (a 512-token prefill chunk takes ~0.65 s on one thread) is in neither the snapshot published
+        at the step's end nor anything older, so whoever counts what it sent since a snapshot (the
+        pressure-aware router) must count from the cutoff, not from the snapshot's own time."""
+        return self._published
 
     def morph_state(self) -> MorphState:
         return self._morph_state
@@ -264,13 +275,14 @@ class AsyncLLMEngine:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
+                    cutoff = time.monotonic()
                 for command in commands:
                     self._run_command(command)
                 self._morph_moving = self._morph_moving or bool(commands)
                 if self._has_work():
                     self._step()
                     stepped = True
-                self._pressure = self.engine.pressure()
+                self._published = (self.engine.pressure(), cutoff)
                 self._morph_state = self.engine.morph_state()
                 self._heartbeat = time.monotonic()
                 if stepped and not self._has_work():  # busy -> idle: hand the batch's freed heap back

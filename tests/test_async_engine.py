@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -103,6 +105,44 @@ def test_bad_requests_raise_in_the_caller_and_apply_runs_on_the_thread(engine):
 
     assert asyncio.run(main()).status == "rejected"
     assert engine.pressure().num_running == 0 and engine.morph_state().num_quantized == 0
+
+
+def test_a_request_posted_during_a_step_is_after_the_cutoff_published_at_its_end(engine):
+    """What the pressure-aware router relies on: a snapshot holds exactly the requests posted before its
+    cutoff. One posted while a step runs is not in the snapshot published when that step ends (whose
+    own time is after the post, so counting from it would miss the request), and that snapshot's cutoff
+    is before the post; the next round's snapshot holds it, with a cutoff after the post."""
+    real_step = engine.engine.step
+    published, in_step, release = [], threading.Event(), threading.Event()
+
+    def step():  # on the stepping thread: what was published before this round's step, then hold step 1
+        published.append(engine.pressure_with_cutoff())
+        if len(published) == 1:
+            in_step.set()
+            release.wait(30)
+        return real_step()
+
+    engine.engine.step = step
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        first = asyncio.create_task(collect(engine, "a", [5] * 8, params))
+        assert await asyncio.to_thread(in_step.wait, 30)
+        before_post = time.monotonic()
+        second = asyncio.create_task(collect(engine, "b", [6] * 8, params))
+        await asyncio.sleep(0)  # one turn of the loop: the new task runs up to its posted add
+        after_post = time.monotonic()
+        assert len(engine._commands) == 1, "b's add should be queued behind the running step"
+        release.set()
+        await asyncio.gather(first, second)
+        return before_post, after_post
+
+    before_post, after_post = asyncio.run(main())
+    (end_of_step_1, cutoff_1), (end_of_step_2, cutoff_2) = published[1], published[2]
+    assert end_of_step_1.num_running + end_of_step_1.num_waiting == 1  # "a" only
+    assert cutoff_1 < before_post < after_post < end_of_step_1.time
+    assert end_of_step_2.num_running + end_of_step_2.num_waiting == 2  # "a" and "b"
+    assert cutoff_2 > after_post
 
 
 def test_after_shutdown_requests_get_engine_dead(engine):

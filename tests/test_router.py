@@ -133,3 +133,19 @@ def test_a_burst_leans_away_from_a_morphed_replica_only_as_far_as_the_penalties_
     assert route_burst(loads, 4, penalties=PENALIZED) == {"fresh": 3, "morphed": 1}
     sent = route_burst(loads, 10, penalties=PENALIZED)
     assert sent["morphed"] > sent["fresh"] >= 3 and sent["morphed"] - sent["fresh"] <= 2
+
+
+def test_requests_sent_during_a_step_count_until_a_report_holds_them():
+    """A report's cutoff is the start of the step it was taken after: a request sent during that step
+    (after the cutoff) is counted; one sent `transit_s` or less before the cutoff may still have been
+    on its way, so it is counted too; one sent earlier is in the report and is not counted twice."""
+    in_flight = InFlight(keep_s=4.0, transit_s=0.05)
+    no_transit = InFlight(keep_s=4.0)
+    for at, tokens in ((NOW - 1.0, 100), (NOW - 0.03, 20), (NOW + 0.3, 3)):
+        in_flight.record("r", at, Sent(1, tokens))
+        no_transit.record("r", at, Sent(1, tokens))
+    assert in_flight.since("r", NOW) == Sent(2, 23)
+    assert no_transit.since("r", NOW) == Sent(1, 3)
+    assert in_flight.since("r", NOW + 0.4) == Sent(0, 0)
+    with pytest.raises(ValueError, match="transit_s"):
+        InFlight(keep_s=4.0, transit_s=-1)
