@@ -61,6 +61,7 @@ class AppArgs(BaseModel):
     router_stats_period_s: float = Field(0.5, gt=0.0, description="how often Serve pulls each replica's routing stats")
     router_morphed_penalty: float = Field(0.0, ge=0.0, description="pressure router: queued requests' worth added to a replica where the request fits only in the KV its morph added")
     router_no_fit_penalty: float = Field(0.0, ge=0.0, description="pressure router: queued requests' worth added to a replica where the request does not fit now (it waits or morphs there)")
+    router_transit_s: float = Field(0.05, ge=0.0, description="pressure router: a request sent this long before a replica's stats' cutoff may still have been on its way there, so it is counted as sent after them")
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one ingress replica handles at once")
     ingress_max_queued_requests: int = Field(64, ge=-1, description="HTTP requests Serve's proxy queues for the ingress beyond that (-1: no limit); beyond -> 503")
@@ -150,7 +151,8 @@ class AppArgs(BaseModel):
         return {"request_router_class": ROUTER_IMPORT_PATH,
                 "request_router_kwargs": {"stale_after_s": self.router_stale_after_s,
                                           "morphed_penalty": self.router_morphed_penalty,
-                                          "no_fit_penalty": self.router_no_fit_penalty},
+                                          "no_fit_penalty": self.router_no_fit_penalty,
+                                          "transit_s": self.router_transit_s},
                 "request_routing_stats_period_s": self.router_stats_period_s,
                 "request_routing_stats_timeout_s": max(1.0, 2 * self.router_stats_period_s)}
 

@@ -75,7 +75,8 @@ FitClass = str  # "fits" | "fits_morphed" | "no_fit": how a request fits a repli
 Decision = str  # a FitClass (of the chosen replica) | "stale" | "no_queue_len" | "other_call"
 FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best first
 # Ingress -> engine command queue: a Ray actor call plus the replica's event loop, a few ms when idle
-# and tens of ms on a saturated 2-core machine; a request sent this long before a cutoff counts as sent after it.
+# and tens of ms on a saturated 2-core machine; a request sent this long before a cutoff counts as sent
+# after it (AppArgs.router_transit_s sets it for the app).
 TRANSIT_S = 0.05
 
 

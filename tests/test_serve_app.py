@@ -47,6 +47,7 @@ def test_build_app_accepts_the_shipped_configs():
     ({"engine": {"model": "other"}}, "engine"),
     ({"engine": {"block_size": "big"}}, "block_size"),
     ({"report_interval_s": 0}, "report_interval_s"),
+    ({"router_transit_s": -0.1}, "router_transit_s"),
 ])
 def test_bad_args_fail_before_anything_is_deployed(args, param):
     from deployments import build_app
