@@ -56,7 +56,9 @@ class AppArgs(BaseModel):
     max_queued_requests: int = Field(32, ge=-1, description="calls Serve queues for the engine replicas while all are at max_ongoing_requests or restarting (-1: no limit); beyond -> 503")
     control_slots: int = Field(8, ge=1, description="Serve calls per engine replica kept free of generation for health and admin calls")
     engine_stall_s: float = Field(60.0, gt=0.0, description="a replica whose engine has work but finishes no step for this long fails its health check")
-    pressure_router: bool = Field(True, description="route engine requests by queue length and KV fit (deployments/router.py); false: Serve's default power of two choices")
+    # Off by default since wave 18: with the fleet controller and its budget, Serve's router missed fewer SLOs
+    # than the pressure router (README, Benchmarks, wave 18: the halves of the fleet measured apart).
+    pressure_router: bool = Field(False, description="route engine requests by prefill backlog, queue length and KV fit (deployments/router.py); false: Serve's default power of two choices")
     router_stale_after_s: float = Field(2.0, gt=0.0, description="older routing stats than this: the pressure router falls back to Serve's default")
     router_stats_period_s: float = Field(0.5, gt=0.0, description="how often Serve pulls each replica's routing stats")
     router_morphed_penalty: float = Field(0.0, ge=0.0, description="pressure router: queued requests' worth added to a replica where the request fits only in the KV its morph added")

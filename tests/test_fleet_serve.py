@@ -31,7 +31,7 @@ COMMON = {
 # take seconds there. Every wait is a poll; a generous deadline only costs time when something is wrong.
 BURST_DEADLINE_S = 300.0
 FLEET_ARGS = {**COMMON, **FLEET_CONTROLLER, "num_replicas": 2, "fleet_max_quantized_layers": BUDGET,
-              "replica_timeout_s": 6.0, "scale_out_after_s": 600.0}
+              "replica_timeout_s": 6.0, "scale_out_after_s": 600.0, "pressure_router": True}
 
 
 def controller_status(ray, names: dict) -> dict:
