@@ -24,7 +24,7 @@ CONTROLLER = {"controller_name": "test-serve-prom-controller", "controller_names
 ARGS = {"admin_token": ADMIN, "memory_budget": auto_budget("300MiB"), "mode": "performance", "report_interval_s": 0.1,
         "max_layers_per_step": 4, "policy": {"enter_after": 2, "relax_after": 4, "history_len": 16},
         "engine": {"max_model_len": 512, "max_num_seqs": 16, "max_num_batched_tokens": 128},
-        "fleet_max_quantized_layers": 30, **CONTROLLER}
+        "fleet_max_quantized_layers": 30, "pressure_router": True, **CONTROLLER}  # the router's panels need it
 # Series this test cannot make exist, each with why (every other dashboard query must return data).
 CANNOT_EXIST_HERE = {
     "ray_node_gpus_utilization": "no GPU on this machine",
