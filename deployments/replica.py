@@ -248,7 +248,8 @@ class LLMServer:
                            reservation_tokens=snapshot.reservation_tokens,
                            num_quantized=self.engine.morph_state().num_quantized,
                            morph_blocks=max(0, snapshot.kv_capacity_blocks - self.engine.base_kv_blocks),
-                           prefill_tokens=snapshot.prefill_backlog_tokens).to_stats()
+                           prefill_tokens=snapshot.prefill_backlog_tokens,
+                           prefill_tps=self.engine.prefill_tokens_per_s()).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.

@@ -21,7 +21,11 @@ report resets it, as the report then includes them), so a burst does not all lan
 looked emptiest at the last report. (Until wave 18 the figures were dated at the step's *end*: every
 request sent during a step, ~0.65 s for a 512-token prefill chunk on one thread, was in neither the
 figures nor the count, so in a burst the router saw the replica that was prefilling as emptier than
-it was.) Each replica then falls in
+it was.) A report is also up to a step plus a stats period old, and the replica has kept prefilling
+since: its backlog is aged by its recent prefill speed times the report's age (`prefill_tps`, measured
+by the engine), else two replicas whose reports are of different ages compare figures that lie
+differently, by up to a period's prefill (~0.4 s of TTFT at 0.5 s periods), and the burst leans on the
+one that reported last. Each replica then falls in
 a class:
 
     fits:         nothing waiting there and the request fits in the room it would have at full
@@ -32,8 +36,8 @@ a class:
                   is mostly quality: quantized layer-seconds)
 
 Replicas are listed one per rank, cheapest first, and Serve sends to the first whose queue is not
-full. While any replica reports a prefill backlog (a burst), cheapest is the least backlog (reported +
-the prompts sent there since); otherwise, and on equal backlog, the least cost = queue length (Serve's queue-length cache: every send and completion
+full. While any replica reports a prefill backlog (a burst), cheapest is the least backlog now (reported +
+the prompts sent there since - its prefill speed x the report's age); otherwise, and on equal backlog, the least cost = queue length (Serve's queue-length cache: every send and completion
 updates it) plus the class's penalty in queued requests (0, `morphed_penalty`, `no_fit_penalty`; both
 0 by default, so the class only breaks ties); then the better class, then more room at full precision.
 
@@ -91,11 +95,18 @@ class ReplicaLoad:
     num_quantized: int = 0  # layers it holds quantized now
     morph_blocks: int = 0  # KV blocks its morph added (capacity now less at full precision); a restore takes them
     prefill_tokens: int = 0  # prompt tokens it has yet to prefill (engine/demand.py): what a new request's TTFT waits behind
+    prefill_tps: float = 0.0  # prompt tokens it prefills per second (engine/step_stats.py PrefillRate); 0: unknown
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
         output = self.reservation_tokens if max_tokens is None else min(max_tokens, self.reservation_tokens)
         return math.ceil(max(1, prompt_tokens + max(0, output)) / self.block_size)
+
+    def backlog_now(self, sent_tokens: int, now: float) -> float:
+        """The prompt tokens a request sent now would wait behind: the reported backlog plus the prompts
+        sent since, less what the replica has prefilled since the cutoff at its recent speed."""
+        done = self.prefill_tps * max(0.0, now - self.taken_at)
+        return max(0.0, self.prefill_tokens + sent_tokens - done)
 
     def to_stats(self) -> dict[str, Any]:
         return {"kind": STATS_KIND, **dataclasses.asdict(self)}
@@ -108,7 +119,7 @@ class ReplicaLoad:
             return cls(int(stats["free_blocks"]), int(stats["num_waiting"]), max(1, int(stats["block_size"])),
                        float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)),
                        int(stats.get("num_quantized", 0)), max(0, int(stats.get("morph_blocks", 0))),
-                       max(0, int(stats.get("prefill_tokens", 0))))
+                       max(0, int(stats.get("prefill_tokens", 0))), max(0.0, float(stats.get("prefill_tps", 0.0))))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -148,8 +159,8 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
                   prompt_tokens: int, sent: dict[Hashable, Sent], now: float, stale_after_s: float,
                   max_tokens: int | None = None, penalties: Penalties = Penalties()) -> tuple[Decision, list[Hashable]]:
     """Pure: (the chosen replica's fit class, every replica cheapest first). Cheapest = while any replica
-    reports a prefill backlog, the least backlog (its stats' prompt tokens yet to prefill + the prompts
-    sent there since); then cost = queue length + the class's penalty, then the better class, then more
+    reports a prefill backlog, the least backlog now (its stats' prompt tokens yet to prefill + the prompts
+    sent there since, less what it prefilled since at its reported speed); then cost = queue length + the class's penalty, then the better class, then more
     room at full precision; ("stale", [])
     when any load is missing or older than `stale_after_s`, ("no_queue_len", []) when any queue length
     is unknown. `sent`: what this router sent to each replica after its stats were taken."""
@@ -162,8 +173,8 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
     # Prompts sent since a report count only while some replica reports a backlog: else a prompt sent
     # 0.4 s ago, long prefilled, would still weigh until the next report.
     bursting = any(load.prefill_tokens > 0 for load in loads.values())
-    backlog = ({rid: load.prefill_tokens + sent.get(rid, nothing).tokens for rid, load in loads.items()} if bursting
-               else dict.fromkeys(loads, 0))
+    backlog = ({rid: load.backlog_now(sent.get(rid, nothing).tokens, now) for rid, load in loads.items()} if bursting
+               else dict.fromkeys(loads, 0.0))
     fits = {rid: fit_class(load, headroom[rid], max(1, load.blocks_for(prompt_tokens, max_tokens)))
             for rid, load in loads.items()}
     order = sorted(loads, key=lambda rid: (backlog[rid], queue_lens[rid] + penalties.of(fits[rid]),

@@ -42,7 +42,7 @@ from engine.morph.admission import AdmissionGrant, enact
 from engine.outputs import RequestOutput
 from engine.pressure import PressureSnapshot
 from engine.sampling_params import SamplingParams
-from engine.step_stats import StepLog, StepStats
+from engine.step_stats import PrefillRate, StepLog, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class AsyncLLMEngine:
         self._morph_log: collections.deque[tuple[int, ActionResult]] = collections.deque(maxlen=morph_log_len)
         self._morph_seq = 0
         self._step_log = StepLog()  # what the recent model steps ran, for the iteration metrics
+        self._prefill_rate = PrefillRate()  # prompt tokens per second of model time, for the router
         # Something changed since the last step boundary (a command ran, a step moved layers or
         # produced tokens, which may have freed blocks): pending morph work is worth another step.
         self._morph_moving = False
@@ -130,6 +131,10 @@ class AsyncLLMEngine:
         at the step's end nor anything older, so whoever counts what it sent since a snapshot (the
         pressure-aware router) must count from the cutoff, not from the snapshot's own time."""
         return self._published
+
+    def prefill_tokens_per_s(self) -> float:
+        """Recent prefill speed (engine/step_stats.py PrefillRate); 0 before the first prefill."""
+        return self._prefill_rate.tokens_per_s
 
     def morph_state(self) -> MorphState:
         return self._morph_state
@@ -324,6 +329,7 @@ class AsyncLLMEngine:
         self._log_morph(result.morph_results)
         if result.stats is not None:
             self._step_log.record(result.stats)
+            self._prefill_rate.record(result.stats)
         self._morph_moving = bool(result.morph_results or result.outputs)  # a failed request freed blocks too
         for out in result.outputs:
             if out.error is not None:  # the engine failed this request alone (already aborted)

@@ -45,3 +45,24 @@ class StepLog:
             out = list(self._records)
             self._records.clear()
         return out
+
+
+class PrefillRate:
+    """Prompt tokens one replica prefills per second of model time, smoothed over its recent steps
+    that prefilled (mixed steps included: decoding beside a prefill slows it, and that is the rate a
+    queued prompt sees). The pressure-aware router uses it to age a replica's reported prefill
+    backlog: a report can be a whole step old, and over that time the backlog has shrunk by about
+    this rate times its age. 0 until the first prefill step: nothing is known yet."""
+
+    def __init__(self, smoothing: float = 0.3):
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.smoothing = smoothing
+        self.tokens_per_s = 0.0  # written by the stepping thread; a float read is atomic
+
+    def record(self, stats: StepStats) -> None:
+        if stats.num_prefill_tokens <= 0 or stats.seconds <= 0:
+            return
+        rate = stats.num_prefill_tokens / stats.seconds
+        self.tokens_per_s = rate if self.tokens_per_s == 0 else (
+            self.smoothing * rate + (1 - self.smoothing) * self.tokens_per_s)

@@ -43,6 +43,8 @@ def test_concurrent_generates_all_complete_and_match_a_lone_run(engine):
     alone = asyncio.run(collect(engine, "again", prompts["r2"]))
     assert [t for o in alone for t in o.token_ids] == [t for o in results[2] for t in o.token_ids]
     assert engine.engine.pool.num_used == 0
+    # Every step that prefilled fed the prefill speed the replica reports to the pressure router.
+    assert engine.prefill_tokens_per_s() > 0
 
 
 def test_closing_a_stream_mid_way_frees_its_blocks(engine):

@@ -10,9 +10,9 @@ NOW = 1000.0
 
 
 def load(free: int, waiting: int = 0, age: float = 0.1, quantized: int = 0, morph_blocks: int = 0,
-         prefill: int = 0) -> ReplicaLoad:
+         prefill: int = 0, tps: float = 0.0) -> ReplicaLoad:
     return ReplicaLoad(free_blocks=free, num_waiting=waiting, block_size=16, taken_at=NOW - age,
-                       num_quantized=quantized, morph_blocks=morph_blocks, prefill_tokens=prefill)
+                       num_quantized=quantized, morph_blocks=morph_blocks, prefill_tokens=prefill, prefill_tps=tps)
 
 
 PENALIZED = Penalties(morphed=1, no_fit=2)  # an operator's router_*_penalty settings (the defaults are 0)
@@ -78,6 +78,21 @@ def test_in_a_burst_the_least_prefill_backlog_wins_over_a_shorter_queue():
     assert rank(quiet, {"a": 1, "b": 2}, sent={"a": Sent(8, 500)})[1] == ["a", "b"]
 
 
+def test_an_older_report_has_its_backlog_aged_by_the_replicas_prefill_speed():
+    # "early" reported 600 tokens 0.5 s ago and prefills 800 tokens/s: ~200 are left; "late" reported
+    # 400 just now. Taken at face value "late" looks shorter; aged, "early" is.
+    loads = {"early": load(20, age=0.5, prefill=600, tps=800.0), "late": load(20, age=0.01, prefill=400, tps=800.0)}
+    assert rank(loads, {"early": 2, "late": 2})[1] == ["early", "late"]
+    assert loads["early"].backlog_now(0, NOW) == pytest.approx(200.0)
+    # What was sent since the report is aged with it, never below 0; unknown speed (0) ages nothing.
+    assert loads["early"].backlog_now(300, NOW) == pytest.approx(500.0)
+    assert load(20, age=5.0, prefill=100, tps=800.0).backlog_now(0, NOW) == 0.0
+    assert load(20, age=0.5, prefill=600).backlog_now(0, NOW) == 600.0
+    # Both aged to nothing: queue length decides again.
+    drained = {"a": load(20, age=1.0, prefill=300, tps=800.0), "b": load(20, age=0.9, prefill=500, tps=800.0)}
+    assert rank(drained, {"a": 3, "b": 1})[1] == ["b", "a"]
+
+
 def test_stale_or_missing_stats_or_queue_lengths_fall_back_to_serves_default():
     queues = {"a": 0, "b": 0}
     assert rank({"a": load(20), "b": load(20, age=5.0)}, queues) == ("stale", [])
@@ -87,12 +102,13 @@ def test_stale_or_missing_stats_or_queue_lengths_fall_back_to_serves_default():
 
 
 def test_stats_round_trip_and_foreign_stats_are_ignored():
-    original = load(12, waiting=3, quantized=4, morph_blocks=9, prefill=77)
+    original = load(12, waiting=3, quantized=4, morph_blocks=9, prefill=77, tps=640.5)
     assert ReplicaLoad.from_stats(original.to_stats()) == original
     assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
     assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None
-    older = {k: v for k, v in original.to_stats().items() if k not in ("morph_blocks", "prefill_tokens")}
+    older = {k: v for k, v in original.to_stats().items() if k not in ("morph_blocks", "prefill_tokens", "prefill_tps")}
     assert ReplicaLoad.from_stats(older).morph_blocks == 0 == ReplicaLoad.from_stats(older).prefill_tokens  # a replica before the fields
+    assert ReplicaLoad.from_stats(older).prefill_tps == 0.0
 
 
 def test_a_request_needs_its_prompt_and_the_output_reservation_capped_by_max_tokens():
