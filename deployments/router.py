@@ -36,8 +36,9 @@ a class:
                   is mostly quality: quantized layer-seconds)
 
 Replicas are listed one per rank, cheapest first, and Serve sends to the first whose queue is not
-full. While any replica reports a prefill backlog (a burst), cheapest is the least backlog now (reported +
-the prompts sent there since - its prefill speed x the report's age); otherwise, and on equal backlog, the least cost = queue length (Serve's queue-length cache: every send and completion
+full. While any replica reports a prefill backlog (a burst), cheapest is the least backlog now
+(reported + the prompts sent there since - its prefill speed x the report's age); otherwise, and on
+equal backlog, the least cost = queue length (Serve's queue-length cache: every send and completion
 updates it) plus the class's penalty in queued requests (0, `morphed_penalty`, `no_fit_penalty`; both
 0 by default, so the class only breaks ties); then the better class, then more room at full precision.
 
@@ -159,9 +160,9 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
                   prompt_tokens: int, sent: dict[Hashable, Sent], now: float, stale_after_s: float,
                   max_tokens: int | None = None, penalties: Penalties = Penalties()) -> tuple[Decision, list[Hashable]]:
     """Pure: (the chosen replica's fit class, every replica cheapest first). Cheapest = while any replica
-    reports a prefill backlog, the least backlog now (its stats' prompt tokens yet to prefill + the prompts
-    sent there since, less what it prefilled since at its reported speed); then cost = queue length + the class's penalty, then the better class, then more
-    room at full precision; ("stale", [])
+    reports a prefill backlog, the least backlog now (its stats' prompt tokens yet to prefill + the
+    prompts sent there since, less what it prefilled since at its reported speed); then cost = queue
+    length + the class's penalty, then the better class, then more room at full precision; ("stale", [])
     when any load is missing or older than `stale_after_s`, ("no_queue_len", []) when any queue length
     is unknown. `sent`: what this router sent to each replica after its stats were taken."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):

@@ -106,7 +106,8 @@ def test_stats_round_trip_and_foreign_stats_are_ignored():
     assert ReplicaLoad.from_stats(original.to_stats()) == original
     assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
     assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None
-    older = {k: v for k, v in original.to_stats().items() if k not in ("morph_blocks", "prefill_tokens", "prefill_tps")}
+    newer_fields = ("morph_blocks", "prefill_tokens", "prefill_tps")
+    older = {k: v for k, v in original.to_stats().items() if k not in newer_fields}
     assert ReplicaLoad.from_stats(older).morph_blocks == 0 == ReplicaLoad.from_stats(older).prefill_tokens  # a replica before the fields
     assert ReplicaLoad.from_stats(older).prefill_tps == 0.0
 
