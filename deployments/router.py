@@ -81,7 +81,8 @@ Decision = str  # a FitClass (of the chosen replica) | "stale" | "no_queue_len" 
 FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best first
 # Ingress -> engine command queue: a Ray actor call plus the replica's event loop, a few ms when idle
 # and tens of ms on a saturated 2-core machine; a request sent this long before a cutoff counts as sent
-# after it (AppArgs.router_transit_s sets it for the app).
+# after it. AppArgs.router_transit_s sets it for the app, with the same default
+# (tests/test_router.py holds every default of initialize_state equal to the app's).
 TRANSIT_S = 0.05
 
 

@@ -78,7 +78,7 @@ class AsyncLLMEngine:
         self._morph_log: collections.deque[tuple[int, ActionResult]] = collections.deque(maxlen=morph_log_len)
         self._morph_seq = 0
         self._step_log = StepLog()  # what the recent model steps ran, for the iteration metrics
-        self._prefill_rate = PrefillRate()  # prompt tokens per second of model time, for the router
+        self._prefill_rate = PrefillRate()  # prompt tokens per wall second of its rounds, for the router
         # Something changed since the last step boundary (a command ran, a step moved layers or
         # produced tokens, which may have freed blocks): pending morph work is worth another step.
         self._morph_moving = False
@@ -271,25 +271,34 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         stepped = False
+        busy_since: float | None = None  # the previous round's end, when it left work for this one
         try:
             while True:
                 with self._cond:
+                    waited = False
                     while not (self._stopped or self._commands or self._has_work()):
                         self._cond.wait()
+                        waited = True
                     if self._stopped:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
                     cutoff = time.monotonic()
+                # A round that follows a busy one starts where that one ended: the gap between them is
+                # part of what draining the queue takes (PrefillRate).
+                round_start = busy_since if busy_since is not None and not waited else cutoff
                 for command in commands:
                     self._run_command(command)
                 self._morph_moving = self._morph_moving or bool(commands)
+                prefilled = 0
                 if self._has_work():
-                    self._step()
+                    prefilled = self._step()
                     stepped = True
                 self._published = (self.engine.pressure(), cutoff)
                 self._morph_state = self.engine.morph_state()
                 self._heartbeat = time.monotonic()
+                self._prefill_rate.record(prefilled, self._heartbeat - round_start)
+                busy_since = self._heartbeat if self._has_work() else None
                 if stepped and not self._has_work():  # busy -> idle: hand the batch's freed heap back
                     release_free_heap()
                     stepped = False
@@ -316,7 +325,8 @@ class AsyncLLMEngine:
     def _has_work(self) -> bool:
         return self.engine.has_unfinished() or (self._morph_moving and self.engine.has_pending_morph())
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One engine step, its outputs delivered; returns the prompt tokens it prefilled."""
         try:
             result = self.engine.step()
         except Exception as e:  # outside the model step: reset every request to stay consistent
@@ -325,17 +335,17 @@ class AsyncLLMEngine:
             for rid in list(self._sinks):
                 self.engine.abort(rid)
                 self._deliver(rid, e, last=True)
-            return
+            return 0
         self._log_morph(result.morph_results)
         if result.stats is not None:
             self._step_log.record(result.stats)
-            self._prefill_rate.record(result.stats)
         self._morph_moving = bool(result.morph_results or result.outputs)  # a failed request freed blocks too
         for out in result.outputs:
             if out.error is not None:  # the engine failed this request alone (already aborted)
                 self._deliver(out.request_id, _consumer_error(out), last=True)
             else:
                 self._deliver(out.request_id, out, last=out.finished)
+        return result.stats.num_prefill_tokens if result.stats is not None else 0
 
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:
         sink = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)

@@ -48,11 +48,14 @@ class StepLog:
 
 
 class PrefillRate:
-    """Prompt tokens one replica prefills per second of model time, smoothed over its recent steps
+    """Prompt tokens one replica prefills per second of wall time, smoothed over its recent rounds
     that prefilled (mixed steps included: decoding beside a prefill slows it, and that is the rate a
-    queued prompt sees). The pressure-aware router uses it to age a replica's reported prefill
-    backlog: a report can be a whole step old, and over that time the backlog has shrunk by about
-    this rate times its age. 0 until the first prefill step: nothing is known yet."""
+    queued prompt sees). A round is the stepping thread's whole turn (commands, step, publishing);
+    back to back rounds count from the previous round's end, so the gaps between steps (morph swaps
+    at a boundary, the event loop taking the GIL) slow the rate as they slow the backlog. Model time
+    alone made the router's aged backlogs optimistic. The pressure-aware router uses it to age a
+    replica's reported prefill backlog: a report can be a whole step old, and over that time the
+    backlog has shrunk by about this rate times its age. 0 until the first prefill: nothing is known yet."""
 
     def __init__(self, smoothing: float = 0.3):
         if not 0 < smoothing <= 1:
@@ -60,9 +63,10 @@ class PrefillRate:
         self.smoothing = smoothing
         self.tokens_per_s = 0.0  # written by the stepping thread; a float read is atomic
 
-    def record(self, stats: StepStats) -> None:
-        if stats.num_prefill_tokens <= 0 or stats.seconds <= 0:
+    def record(self, prefill_tokens: int, seconds: float) -> None:
+        """One round: the prompt tokens its step prefilled, and the wall seconds the round took."""
+        if prefill_tokens <= 0 or seconds <= 0:
             return
-        rate = stats.num_prefill_tokens / stats.seconds
+        rate = prefill_tokens / seconds
         self.tokens_per_s = rate if self.tokens_per_s == 0 else (
             self.smoothing * rate + (1 - self.smoothing) * self.tokens_per_s)

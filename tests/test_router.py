@@ -175,3 +175,15 @@ def test_the_app_hands_its_router_settings_to_every_router():
     kwargs = args.request_router_config()["request_router_kwargs"]
     assert kwargs == {"stale_after_s": 3.0, "morphed_penalty": 0.0, "no_fit_penalty": 0.0, "transit_s": 0.2}
     assert AppArgs().request_router_config() is None  # Serve's own router unless asked (wave 18)
+
+
+def test_the_routers_own_defaults_are_the_apps():
+    """A router named in a user's own serve config without kwargs behaves as the app's default router."""
+    import inspect
+
+    from deployments.app_args import AppArgs
+    from deployments.router import PressureAwareRouter
+
+    params = inspect.signature(PressureAwareRouter.initialize_state).parameters
+    app = AppArgs(pressure_router=True).request_router_config()["request_router_kwargs"]
+    assert {name: params[name].default for name in app} == app
