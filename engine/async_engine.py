@@ -298,8 +298,9 @@ class AsyncLLMEngine:
                 self._morph_state = self.engine.morph_state()
                 self._heartbeat = time.monotonic()
                 self._prefill_rate.record(prefilled, self._heartbeat - round_start)
-                busy_since = self._heartbeat if self._has_work() else None
-                if stepped and not self._has_work():  # busy -> idle: hand the batch's freed heap back
+                working = self._has_work()
+                busy_since = self._heartbeat if working else None
+                if stepped and not working:  # busy -> idle: hand the batch's freed heap back
                     release_free_heap()
                     stepped = False
         except BaseException as e:  # a bug in the loop itself: nothing can be served any more

@@ -31,9 +31,9 @@ from ops.bench.bench_settings import BenchConfig
 from ops.bench.loadgen import LoadGenConfig, LoadRequest, load_requests, replay
 from ops.bench.metrics import compute_run_metrics
 from ops.bench.prompts import build_prompts
-from ops.bench.run_all import _engine_weight_bytes, _resolve_dtype, _tokenizer
-from ops.bench.run_one import REPO, RunContext, started_server
-from ops.bench.systems import FLEET_BASELINE, FLEET_SYSTEMS, ModelFacts, interleaved_schedule, plan_budget, system_specs
+from ops.bench.run_all import _resolve_dtype, model_setup
+from ops.bench.run_one import REPO, started_server
+from ops.bench.systems import FLEET_BASELINE, FLEET_SYSTEMS, interleaved_schedule, system_specs
 from ops.bench.traces import TraceRequest
 
 METRICS = ("ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms")
@@ -102,20 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = dataclasses.replace(BenchConfig(), dtype=_resolve_dtype("auto"))  # as the published fleet runs
     out = args.out or REPO / "ops" / "bench" / "results" / ("overhead-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    from engine.config import default_cache_dir
-    from engine.loader import resolve_model
-
-    files = resolve_model("default", default_cache_dir())
-    facts = ModelFacts.from_hf_dir(files.hf_dir)
-    plan = plan_budget(facts, cfg.max_model_len, cfg.kv_sequences, cfg.block_size, cfg.max_num_batched_tokens,
-                       weight_bytes=_engine_weight_bytes(files.hf_dir, cfg.dtype), dtype=cfg.dtype)
-    specs = {s.name: s for s in system_specs(args.systems, facts.num_layers)}
+    setup = model_setup(cfg, "default", out)
+    ctx = setup.ctx
+    specs = {s.name: s for s in system_specs(args.systems, setup.facts.num_layers)}
     trace = light_load(args.rate_rps, args.duration_s)
-    encode, decode = _tokenizer(files.hf_dir)
-    requests: list[LoadRequest] = load_requests(trace, build_prompts(trace, encode, decode, seed=cfg.seed))
-    ctx = RunContext(hf_dir=str(files.hf_dir), served_name=files.name, plan=plan, out_dir=out,
-                     start_deadline_s=cfg.start_deadline_s, drain_s=cfg.drain_s, threads=cfg.threads,
-                     vllm_python="")
+    requests: list[LoadRequest] = load_requests(trace, build_prompts(trace, setup.encode, setup.decode, seed=cfg.seed))
     command = shlex.join([sys.executable, "-m", "ops.bench.fleet_overhead", *(sys.argv[1:] if argv is None else argv)])
     machine = detect_capability("cpu").describe()
     runs = []

@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from engine import datasets
 from ops.bench.bench_settings import BenchConfig, workload_spec
@@ -111,21 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = bench_config(args)
     out = args.out or REPO / "ops" / "bench" / "results" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    from engine.config import default_cache_dir
-    from engine.loader import resolve_model
-
-    files = resolve_model(args.model, default_cache_dir())
-    facts = ModelFacts.from_hf_dir(files.hf_dir)
-    plan = plan_budget(facts, cfg.max_model_len, cfg.kv_sequences, cfg.block_size, cfg.max_num_batched_tokens,
-                       weight_bytes=_engine_weight_bytes(files.hf_dir, cfg.dtype), dtype=cfg.dtype)
+    setup = model_setup(cfg, args.model, out)
+    files, facts, ctx, plan = setup.files, setup.facts, setup.ctx, setup.ctx.plan
     specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers, cfg.fleet_budget_replicas)}
     trace = load_trace(datasets.resolve("azure_conv", args.trace))
     unscaled = build_workload(trace, workload_spec(cfg))
-    encode, decode = _tokenizer(files.hf_dir)
-    prompts = build_prompts(unscaled.requests, encode, decode, seed=cfg.seed)
-    ctx = RunContext(hf_dir=str(files.hf_dir), served_name=files.name, plan=plan, out_dir=out,
-                     start_deadline_s=cfg.start_deadline_s, drain_s=cfg.drain_s, threads=cfg.threads,
-                     vllm_python=str(REPO / ".venv-vllm" / "bin" / "python"))
+    prompts = build_prompts(unscaled.requests, setup.encode, setup.decode, seed=cfg.seed)
     command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "ops.bench.run_all", *(argv or sys.argv[1:])])
     (out / "command.txt").write_text(command + "\n", encoding="utf-8")
     _log(f"budget: {plan.describe()}\nout: {out}")
@@ -249,6 +240,33 @@ def _fleet_pairs_lines(results: BenchResults) -> list[str]:
                        (base[i].quantized_layer_s, fleet[i].quantized_layer_s))
              for i in sorted(base.keys() & fleet.keys())]
     return [fleet_pairs_line(pairs)] if pairs else []
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSetup:
+    """What every benchmark run of a model shares: its files, facts, run context (budget plan included)
+    and tokenizer (plain, to fit prompts to trace lengths)."""
+    files: Any
+    facts: ModelFacts
+    ctx: RunContext
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+
+
+def model_setup(cfg: BenchConfig, model: str, out: Path) -> ModelSetup:
+    """Resolve `model`, plan its memory budget for `cfg` and build the context servers start from."""
+    from engine.config import default_cache_dir
+    from engine.loader import resolve_model
+
+    files = resolve_model(model, default_cache_dir())
+    facts = ModelFacts.from_hf_dir(files.hf_dir)
+    plan = plan_budget(facts, cfg.max_model_len, cfg.kv_sequences, cfg.block_size, cfg.max_num_batched_tokens,
+                       weight_bytes=_engine_weight_bytes(files.hf_dir, cfg.dtype), dtype=cfg.dtype)
+    ctx = RunContext(hf_dir=str(files.hf_dir), served_name=files.name, plan=plan, out_dir=out,
+                     start_deadline_s=cfg.start_deadline_s, drain_s=cfg.drain_s, threads=cfg.threads,
+                     vllm_python=str(REPO / ".venv-vllm" / "bin" / "python"))
+    encode, decode = _tokenizer(files.hf_dir)
+    return ModelSetup(files, facts, ctx, encode, decode)
 
 
 def _tokenizer(hf_dir: Path):
