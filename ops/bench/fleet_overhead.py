@@ -31,7 +31,7 @@ from ops.bench.bench_settings import BenchConfig
 from ops.bench.loadgen import LoadGenConfig, LoadRequest, load_requests, replay
 from ops.bench.metrics import compute_run_metrics
 from ops.bench.prompts import build_prompts
-from ops.bench.run_all import _resolve_dtype, model_setup
+from ops.bench.run_all import bench_dtype, model_setup
 from ops.bench.run_one import REPO, started_server
 from ops.bench.systems import FLEET_BASELINE, FLEET_SYSTEMS, interleaved_schedule, system_specs
 from ops.bench.traces import TraceRequest
@@ -99,7 +99,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = dataclasses.replace(BenchConfig(), dtype=_resolve_dtype("auto"))  # as the published fleet runs
+    cfg = dataclasses.replace(BenchConfig(), dtype=bench_dtype("auto"))  # as the published fleet runs
     out = args.out or REPO / "ops" / "bench" / "results" / ("overhead-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     setup = model_setup(cfg, "default", out)

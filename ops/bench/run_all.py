@@ -95,11 +95,11 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     if args.no_quality:
         changes["quality"] = False
     if args.dtype is not None:
-        changes["dtype"] = _resolve_dtype(args.dtype)
+        changes["dtype"] = bench_dtype(args.dtype)
     return dataclasses.replace(base, **changes)
 
 
-def _resolve_dtype(name: str) -> str:
+def bench_dtype(name: str) -> str:
     """'auto' -> what dtype=auto picks on this machine's CPU (engine/capability.py), as a benchmark dtype."""
     from engine.precision import full_precision_for, resolve_dtype
 
