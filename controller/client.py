@@ -94,6 +94,25 @@ class ControllerClient:
         self.last_directive = directive
         return directive
 
+    async def connect(self, deadline_s: float) -> bool:
+        """Start the controller (or find it) and wait until it answers, for at most `deadline_s`: a
+        replica calls this while it loads its model and is ready only after it, so its first requests
+        find the fleet up (in a budgeted fleet, a replica without an answer has no share and cannot
+        morph; and on a small host the actor's start would take CPU from the first requests). False when
+        it did not answer in time (logged; the replica serves on its local policy and reports on) or
+        when this client never uses a controller."""
+        if not self.use_controller or deadline_s <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._call("ping"), deadline_s)
+            return True
+        except Exception as e:  # not up in time, or Ray refused: the reports keep trying
+            self._handle = None
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.warning("fleet controller did not answer within %.1f s of this replica's start (%s); "
+                        "serving on the local policy until it does", deadline_s, self.last_error)
+            return False
+
     async def set_mode(self, mode: str) -> None:
         """Switch the fleet's policy mode (the controller's set_mode) through the same handle as the
         reports, with the same deadline; raises when the controller does not answer (the caller

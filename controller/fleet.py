@@ -218,6 +218,10 @@ class FleetController:
         return {"desired_extra_replicas": extra, "saturated_replicas": saturated,
                 "replicas": len(self._replicas), "reason": reason}
 
+    def ping(self) -> str:
+        """Answers once the actor is up (a starting replica waits for this: ControllerClient.connect)."""
+        return self.instance_id
+
     def set_mode(self, mode: str) -> str:
         """Switch every replica's policy mode (lost if the actor restarts: it reverts to its config)."""
         try:

@@ -48,6 +48,7 @@ class AppArgs(BaseModel):
     controller_namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
     report_interval_s: float = Field(0.25, gt=0.0, le=60.0, description="how often a replica reports pressure and applies its directive")
     controller_timeout_s: float = Field(0.5, gt=0.0, description="a report not answered within this falls back to the local policy")
+    controller_start_timeout_s: float = Field(30.0, ge=0.0, description="how long a starting replica waits for the fleet controller's first answer before it is ready (it then serves on its local policy and keeps reporting); 0: do not wait")
     max_layers_per_step: int = Field(2, ge=1, description="most layers the engine swaps between two steps")
     # -- Ray Serve --
     num_replicas: int | None = Field(None, ge=1, description="engine replicas (fixed); exclusive with autoscaling_config")

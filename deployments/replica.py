@@ -85,16 +85,29 @@ class LLMServer:
         self._last_admission: dict[str, Any] | None = None  # served when a status cannot wait for a boundary
         self.generate_calls = 0  # generate calls this replica received (how a router spread the load)
         started = time.monotonic()
-        # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
-        self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
-        self.load_seconds = time.monotonic() - started
-        self.created = int(time.time())
-        self.metrics = ServeMetrics(self.engine.model_name, max_model_len=self.engine.max_model_len)
         client = ControllerClient(self.replica_id, self.args.policy_config(), name=self.args.controller_name,
                                   namespace=self.args.controller_namespace, timeout_s=self.args.controller_timeout_s,
                                   create_with=self.args.fleet_config(), use_controller=self.args.fleet_controller)
+        # The fleet controller starts (or is found) while the model loads, and the replica is ready only
+        # once it answered: else it came up as the first requests did, taking CPU from them, and a
+        # budgeted fleet's replicas could not morph until it answered (their share is 0 before).
+        connecting = asyncio.get_running_loop().create_task(client.connect(self.args.controller_start_timeout_s))
+        # Loading (and, the first time, preparing the host store) blocks: keep it off the event loop.
+        try:
+            self.engine = await asyncio.to_thread(AsyncLLMEngine, config)
+        except BaseException:
+            connecting.cancel()  # the replica fails its start; nothing is left waiting on the controller
+            raise
+        self.load_seconds = time.monotonic() - started
+        self.created = int(time.time())
+        self.metrics = ServeMetrics(self.engine.model_name, max_model_len=self.engine.max_model_len)
         self.morph_loop = MorphLoop(self.engine, client, self.metrics, interval_s=self.args.report_interval_s,
                                     max_layers_per_step=self.args.max_layers_per_step, ladder=config.ladder)
+        if await connecting:
+            try:
+                await self.morph_loop.run_once()  # its first directive (a budgeted fleet's grant) before any request
+            except Exception:  # the loop's own rounds retry; a start is not worth failing for it
+                log.exception("first morph-loop round failed; the loop tries again")
         self.morph_loop.start()
         self._step_metrics = asyncio.get_running_loop().create_task(self._export_step_stats())
         log.info("replica %s serves %s (loaded in %.1f s)", self.replica_id, self.engine.model_name, self.load_seconds)

@@ -8,15 +8,18 @@
                                   capability (cached per device type)
 
 Tests inject a `DeviceCapability` into `choose_dtype`; nothing here is read from a global at import.
+torch is imported by the functions that need it: a DeviceCapability travels in every MorphState a
+replica reports, and the fleet controller that unpickles it has no use for torch (engine/precision.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The /proc/cpuinfo flags that decide dtype and kernels (others are noise in a status record).
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512vbmi", "avx512_bf16", "avx512_fp16",
@@ -52,6 +55,8 @@ class DeviceCapability:
 
 
 def choose_dtype(cap: DeviceCapability) -> torch.dtype:
+    import torch
+
     if cap.native_bf16:
         return torch.bfloat16
     return torch.float16 if cap.device == "cuda" else torch.float32
@@ -68,6 +73,8 @@ def parse_cpu_flags(cpuinfo: str) -> tuple[str, ...]:
 
 @functools.cache
 def _cpu_facts() -> tuple[str, tuple[str, ...]]:
+    import torch
+
     try:
         flags = parse_cpu_flags(Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace"))
     except OSError:  # not Linux: torch's capability string is all we know
@@ -76,6 +83,8 @@ def _cpu_facts() -> tuple[str, tuple[str, ...]]:
 
 
 def detect_capability(device: str | torch.device = "cpu") -> DeviceCapability:
+    import torch
+
     dev = torch.device(device)
     cpu_cap, flags = _cpu_facts()
     if dev.type == "cuda":

@@ -1,9 +1,16 @@
-"""Precisions a layer's weights can be held in, and the ladder a swap walks down."""
+"""Precisions a layer's weights can be held in, and the ladder a swap walks down.
+
+torch is imported by the functions that return dtypes, not by this module: the fleet controller
+unpickles every report's Precision values, and importing torch there cost its actor ~1 s of CPU at
+start, taken from the replicas on a small host (tests/test_controller_imports.py holds it so).
+"""
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Precision(str, enum.Enum):
@@ -22,11 +29,14 @@ class Precision(str, enum.Enum):
         return {"bf16": 16, "fp16": 16, "fp32": 32, "int8": 8, "int4": 4}[self.value]
 
 
-_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16, Precision.FP32: torch.float32}
+def _dtypes() -> dict[Precision, "torch.dtype"]:
+    import torch
+
+    return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16, Precision.FP32: torch.float32}
 
 
 def full_precision_for(dtype: torch.dtype) -> Precision:
-    for p, d in _DTYPES.items():
+    for p, d in _dtypes().items():
         if d == dtype:
             return p
     raise ValueError(f"unsupported dtype {dtype}; use one of bf16, fp16, fp32")
@@ -35,7 +45,7 @@ def full_precision_for(dtype: torch.dtype) -> Precision:
 def torch_dtype(p: Precision) -> torch.dtype:
     if not p.is_full:
         raise ValueError(f"{p.value} is not a full-precision dtype")
-    return _DTYPES[p]
+    return _dtypes()[p]
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -45,7 +55,7 @@ def parse_dtype(name: str) -> torch.dtype:
     key = aliases.get(str(name).lower())
     if key is None:
         raise ValueError(f"unknown dtype {name!r}; use one of bf16, fp16, fp32")
-    return _DTYPES[Precision(key)]
+    return _dtypes()[Precision(key)]
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:

@@ -482,18 +482,35 @@ def test_replicas_report_through_ray_and_survive_a_controller_restart(ray_cluste
     before = ray.get(actor.status.remote(), timeout=30)
     assert set(before["replicas"]) == {"hot", "warm"} and before["totals"]["quantized_layers"] == 4
 
-    for c in clients.values():
-        c.timeout_s = 0.1  # shorter than an actor restart, so the outage is visible
+    # Ray restarts a killed controller (max_restarts=-1): the clients reach a fresh instance, rebuilt
+    # from their reports. (Its restart takes ~0.1 s since it imports no torch, too short to catch a
+    # report in between reliably; the outage is shown below with a controller that stays dead.)
+    def instance_id():
+        try:
+            return ray.get(ray.get_actor(name, namespace=namespace).status.remote(), timeout=30)["instance_id"]
+        except (ray.exceptions.RayError, ValueError):  # restarting, or not found yet
+            return None
+
     ray.kill(actor, no_restart=False)
+    _until(lambda: instance_id() not in (None, before["instance_id"]), 60, "Ray to restart the controller")
+    _until(lambda: (asyncio.run(round_of_reports()), all(c.reachable for c in clients.values()))[1],
+           120, "the restarted controller to answer")
+    restarted = ray.get(ray.get_actor(name, namespace=namespace).status.remote(), timeout=30)
+    assert set(restarted["replicas"]) == {"hot", "warm"}
+    assert all(restarted["replicas"][rid]["reports"] >= 1 for rid in ("hot", "warm"))
+
+    # A controller that is gone: every client falls back to its local policy, and a new controller
+    # (what a replica's get_or_create does) is followed again.
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
     _until(lambda: (asyncio.run(round_of_reports()), not any(c.reachable for c in clients.values()))[1],
            60, "both clients to fall back to the local policy")
     assert all(c.last_directive.source == "local" for c in clients.values())
+    actor = get_or_create_controller(name, namespace, FleetConfig(fleet_max_quantized_layers=4))
     _until(lambda: (asyncio.run(round_of_reports()), all(c.reachable for c in clients.values()))[1],
-           120, "the restarted controller to answer again")
-    after = ray.get(ray.get_actor(name, namespace=namespace).status.remote(), timeout=30)
-    assert after["instance_id"] != before["instance_id"]  # a fresh actor, rebuilt from the reports
+           120, "the new controller to answer")
+    after = ray.get(actor.status.remote(), timeout=30)
+    assert after["instance_id"] not in (before["instance_id"], restarted["instance_id"])
     assert set(after["replicas"]) == {"hot", "warm"}
-    assert all(after["replicas"][rid]["reports"] >= 1 for rid in ("hot", "warm"))
     ray.kill(actor, no_restart=True)
 
 
@@ -524,3 +541,57 @@ def test_before_the_controller_first_answers_a_budgeted_fleets_replica_keeps_ful
     lone = FakeReplica("r2", 0.99, 0.5)
 
     assert asyncio.run(report_rounds(unbudgeted, lone, 8))[-1].target_quantized > 0  # no budget to share: the local policy morphs
+
+
+class PingHandle:
+    """An actor handle whose `ping.remote()` answers when `up` is set (the actor's constructor done)."""
+
+    def __init__(self):
+        self.up = asyncio.Event()
+        self.ping = self
+        self.pings = 0
+
+    async def remote(self):
+        self.pings += 1
+        await self.up.wait()
+        return "instance"
+
+
+def test_connect_waits_until_the_controller_is_up():
+    handle = PingHandle()
+    client = ControllerClient("r1", PolicyConfig(), resolve=lambda: handle, create_with=FleetConfig())
+
+    async def start():
+        connecting = asyncio.create_task(client.connect(deadline_s=30))
+        while handle.pings == 0:  # the replica's model load, in the real start
+            await asyncio.sleep(0)
+        assert not connecting.done()  # waiting on the actor, not on a clock
+        handle.up.set()
+        return await connecting
+
+    assert asyncio.run(start()) is True
+
+
+def test_connect_gives_up_at_its_deadline_and_the_reports_go_on():
+    handle = PingHandle()  # never up
+    client = ControllerClient("r1", PolicyConfig(), timeout_s=0.05, resolve=lambda: handle, create_with=FleetConfig())
+    assert asyncio.run(client.connect(deadline_s=0.05)) is False
+    assert "TimeoutError" in client.last_error and not client.reachable
+    controller = FleetController(FleetConfig(), clock=FakeClock())
+
+    async def answer(*args):
+        return controller.report(*args)
+
+    client._resolve = lambda: FakeHandle(answer)  # the controller came up later
+    replica = FakeReplica("r1", 0.5, 0.0)
+    assert asyncio.run(client.report(replica.snapshot(), replica.state)).source == "controller"
+
+
+def test_connect_without_a_controller_returns_at_once():
+    def resolve():
+        raise AssertionError("a replica with fleet_controller=false never looks the controller up")
+
+    local = ControllerClient("r1", PolicyConfig(), resolve=resolve, use_controller=False)
+    assert asyncio.run(local.connect(deadline_s=30)) is False
+    no_wait = ControllerClient("r2", PolicyConfig(), resolve=resolve)
+    assert asyncio.run(no_wait.connect(deadline_s=0)) is False

@@ -101,6 +101,18 @@ def fleet_app():
 
 
 @pytest.mark.slow
+def test_a_replica_is_ready_only_once_the_controller_has_answered_it(fleet_app):
+    """Serve marks a replica ready when its constructor returns, and the constructor waits for the
+    controller's first answer (ControllerClient.connect, then one report): so as soon as the app is up,
+    without waiting, the controller's view holds every replica with a report."""
+    ray, _ = fleet_app
+    names = serve_replica_names(ray, "morphserve")
+    view = controller_status(ray, FLEET_CONTROLLER)
+    assert set(view["replicas"]) == set(names), brief(view)
+    assert all(view["replicas"][rid]["reports"] >= 1 for rid in names), brief(view)
+
+
+@pytest.mark.slow
 def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_app):
     from tests.serve_helpers import http, metrics_export_port, until
 
