@@ -107,8 +107,7 @@ class ControllerClient:
             await asyncio.wait_for(self._call("ping"), deadline_s)
             return True
         except Exception as e:  # not up in time, or Ray refused: the reports keep trying
-            self._handle = None
-            self.last_error = f"{type(e).__name__}: {e}"
+            self._forget_handle(e)
             log.warning("fleet controller did not answer within %.1f s of this replica's start (%s); "
                         "serving on the local policy until it does", deadline_s, self.last_error)
             return False
@@ -136,9 +135,12 @@ class ControllerClient:
             log.warning("fleet controller unreachable (%s: %s); using the local policy",
                         type(error).__name__, error)
         self._reachable = False
+        self._forget_handle(error)
+        self.fallbacks += 1
+
+    def _forget_handle(self, error: Exception) -> None:
         self.last_error = f"{type(error).__name__}: {error}"
         self._handle = None  # look the actor up again next time (it may have been restarted or recreated)
-        self.fallbacks += 1
 
     def _fallback_cap(self) -> int | None:
         """The most layers the local policy may quantize: the last grant; 0 in a budgeted fleet whose

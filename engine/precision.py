@@ -7,6 +7,7 @@ start, taken from the replicas on a small host (tests/test_controller_imports.py
 from __future__ import annotations
 
 import enum
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class Precision(str, enum.Enum):
         return {"bf16": 16, "fp16": 16, "fp32": 32, "int8": 8, "int4": 4}[self.value]
 
 
+@functools.cache  # built once, on first use (a layer asks for its precision at every load)
 def _dtypes() -> dict[Precision, "torch.dtype"]:
     import torch
 

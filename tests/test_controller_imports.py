@@ -1,9 +1,10 @@
 """The fleet controller's process never imports torch.
 
-Why it matters: the controller is a Ray actor created when the first replica reports, while the
-replicas load their model. On the 2-core host of the fleet benchmark, an actor that imported torch
-(through engine.precision and engine.capability) spent ~1.1 s of CPU doing so, and came up only
-as the replay began: every controller run paid for it in its first burst. The controller needs
+Why it matters: the controller is a Ray actor that the first replica starts while the replicas
+load their model. On the 2-core host of the fleet benchmark, an actor that imported torch (through
+engine.precision and engine.capability) spent ~1.1 s of CPU doing so; when it was still created at
+the first report it came up only as the replay began, and every controller run paid for it in its
+first burst. The controller needs
 only the records a replica sends, so it loads no tensor library at all.
 """
 from __future__ import annotations
