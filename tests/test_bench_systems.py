@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from ops.bench import BenchmarkInputError
-from ops.bench.bench_settings import BenchConfig, workload_spec
+from ops.bench.bench_settings import APP_DEFAULT, BenchConfig, workload_spec
 from ops.bench.goals import goal_lines
 from ops.bench.served_quality import parse_label
 from ops.bench.metrics import spread
@@ -271,6 +271,25 @@ def test_the_fleet_budget_is_a_command_line_setting():
     assert bench_config(parse_args(["--fleet", "--quick"])).fleet_budget_replicas == 1.0
     cfg = bench_config(parse_args(["--fleet", "--fleet-budget-replicas", "1.5"]))
     assert cfg.fleet_budget_replicas == 1.5 and cfg.systems == fleet_systems()
+
+
+def test_the_fleet_restore_quiet_period_reaches_only_the_controller_systems():
+    """--fleet-restore-quiet-s sets AppArgs.fleet_restore_quiet_s of the systems that run the controller
+    (`off` = None: restores wait the engine's restore_quiet_s); unset, the app's default stands."""
+    assert bench_config(parse_args(["--fleet"])).fleet_restore_quiet_s == APP_DEFAULT
+    names = ("fleet-serve-router", "fleet-controller-only", "fleet-router-only")
+    for flag, expected in (("off", None), ("1.5", 1.5)):
+        cfg = bench_config(parse_args(["--fleet", "--fleet-restore-quiet-s", flag]))
+        assert cfg.fleet_restore_quiet_s == expected
+        specs = {s.name: s for s in system_specs(names, 30, 2.0, cfg.fleet_restore_quiet_s)}
+        assert specs["fleet-controller-only"].app_args["fleet_restore_quiet_s"] == expected
+        assert all("fleet_restore_quiet_s" not in specs[n].app_args for n in ("fleet-serve-router", "fleet-router-only"))
+        assert f"fleet_restore_quiet_s={expected} for them" in fleet_note(names, 36, cfg.fleet_restore_quiet_s)
+    specs = system_specs(names, 30, 2.0)
+    assert all("fleet_restore_quiet_s" not in s.app_args for s in specs)
+    for bad in ("-1", "soon"):
+        with pytest.raises(SystemExit):
+            parse_args(["--fleet-restore-quiet-s", bad])
 
 
 def test_the_mean_load_is_a_command_line_setting_checked_by_the_rule():

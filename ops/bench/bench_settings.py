@@ -15,6 +15,8 @@ from ops.bench.calibration import CalibrationRule, ProbePlan
 from ops.bench.crosscheck import CrossCheckPlan
 from ops.bench.workload import WorkloadSpec
 
+APP_DEFAULT = "app"  # a fleet setting the benchmark leaves to the app (AppArgs' own default)
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
@@ -48,6 +50,9 @@ class BenchConfig:
     time_budget_s: float = 3300.0  # make bench under an hour: fewer repeats when a slow machine needs it
     run_overhead_s: float = 60.0  # server start, warm-up and stop per run (estimate for the budget)
     fleet_budget_replicas: float = 1.0  # --fleet: the fleet's accuracy budget, in one replica's balanced cap
+    # --fleet: AppArgs.fleet_restore_quiet_s of the controller systems; None: off (a replica's restores
+    # always wait the engine's restore_quiet_s)
+    fleet_restore_quiet_s: float | str | None = APP_DEFAULT
     quality: bool = True  # teacher-forced agreement and token-weighted perplexity after the load phase
     ppl_tokens: int = 2048
     ppl_window: int = 512

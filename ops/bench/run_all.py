@@ -42,6 +42,19 @@ from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_BASELINE, FLEET_PRES
 from ops.bench.traces import load_trace
 from ops.bench.workload import build_workload
 
+def _seconds_or_off(text: str) -> float | str:
+    """--fleet-restore-quiet-s: seconds >= 0, or `off`."""
+    if text.strip().lower() == "off":
+        return "off"
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds >= 0, or off")
+    return seconds
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, one short window, 4 systems (a few minutes)")
@@ -58,6 +71,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-crosscheck", action="store_true", help="skip the `vllm bench serve` cross-check")
     ap.add_argument("--fleet-budget-replicas", type=float, default=None, help="--fleet: the fleet controller's "
                     "accuracy budget, in one replica's balanced-mode cap (default 1)")
+    ap.add_argument("--fleet-restore-quiet-s", type=_seconds_or_off, default=None, metavar="S|off",
+                    help="--fleet: the controller systems' fleet_restore_quiet_s (default: the app's); off: a "
+                    "replica's restores always wait the engine's restore_quiet_s")
     ap.add_argument("--mean-load", type=float, default=None, help="the replay's mean arrival rate as a fraction of "
                     "the measured capacity (default 0.5; raised when the bursts would not exceed capacity)")
     ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
@@ -76,6 +92,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
                                  ("capacity_rps", args.capacity_rps),
                                  ("fleet_budget_replicas", args.fleet_budget_replicas),
                                  ("kv_sequences", args.kv_sequences), ("slo_ttft_s", args.slo_ttft_s)) if v is not None}
+    if args.fleet_restore_quiet_s is not None:
+        changes["fleet_restore_quiet_s"] = None if args.fleet_restore_quiet_s == "off" else args.fleet_restore_quiet_s
     if args.systems:
         changes["systems"] = tuple(args.systems)
     elif args.fleet:
@@ -113,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     setup = model_setup(cfg, args.model, out)
     files, facts, ctx, plan = setup.files, setup.facts, setup.ctx, setup.ctx.plan
-    specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers, cfg.fleet_budget_replicas)}
+    specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers, cfg.fleet_budget_replicas,
+                                             cfg.fleet_restore_quiet_s)}
     trace = load_trace(datasets.resolve("azure_conv", args.trace))
     unscaled = build_workload(trace, workload_spec(cfg))
     prompts = build_prompts(unscaled.requests, setup.encode, setup.decode, seed=cfg.seed)
@@ -137,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log(f"calibration: {calibration.describe()}\nworkload: {workload.describe()}\n{len(schedule)} runs of about "
          f"{workload.duration_s + 45:.0f} s each (replay + server start)")
     info = _ReportInfo(cfg, plan, workload.describe(), command, prompts, files.name, calibration.describe(),
-                       tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems, _fleet_budget(specs)), budget_note))) or None)
+                       tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems, _fleet_budget(specs),
+                                                                         cfg.fleet_restore_quiet_s),
+                                                              budget_note))) or None)
     runs: list[SystemRun] = []
     failures: list[str] = []
     for i, (repeat, name) in enumerate(schedule):
