@@ -43,13 +43,13 @@ from ops.bench.traces import load_trace
 from ops.bench.workload import build_workload
 
 def _seconds_or_off(text: str) -> float | str:
-    """--fleet-restore-quiet-s: seconds >= 0, or `off`."""
+    """--fleet-restore-quiet-s: seconds >= 0, or `off` (its default, None, means not given)."""
     if text.strip().lower() == "off":
         return "off"
     try:
         seconds = float(text)
     except ValueError:
-        seconds = -1.0
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds >= 0, or off") from None
     if not seconds >= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give seconds >= 0, or off")
     return seconds
@@ -92,7 +92,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
                                  ("capacity_rps", args.capacity_rps),
                                  ("fleet_budget_replicas", args.fleet_budget_replicas),
                                  ("kv_sequences", args.kv_sequences), ("slo_ttft_s", args.slo_ttft_s)) if v is not None}
-    if args.fleet_restore_quiet_s is not None:
+    if args.fleet_restore_quiet_s is not None:  # `off` is AppArgs' None
         changes["fleet_restore_quiet_s"] = None if args.fleet_restore_quiet_s == "off" else args.fleet_restore_quiet_s
     if args.systems:
         changes["systems"] = tuple(args.systems)

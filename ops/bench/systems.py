@@ -83,12 +83,12 @@ def fleet_note(systems, budget_layers: int | None = None,
         return None
     if fleet_switches_available():
         budgeted = [s for s in ran if s in BUDGETED]
-        budget = (f"; fleet_max_quantized_layers={budget_layers} (one accuracy budget for the fleet) for "
-                  f"{', '.join(budgeted)}, none for the others" if budget_layers is not None and budgeted else "")
+        settings = (f"; fleet_max_quantized_layers={budget_layers} (one accuracy budget for the fleet) for "
+                    f"{', '.join(budgeted)}, none for the others" if budget_layers is not None and budgeted else "")
         if budgeted and restore_quiet_s != APP_DEFAULT:
-            budget += (f"; fleet_restore_quiet_s={restore_quiet_s} for them"
-                       + (" (off: restores wait the engine's restore_quiet_s)" if restore_quiet_s is None else ""))
-        return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread{budget}; "
+            settings += (f"; fleet_restore_quiet_s={restore_quiet_s} for them"
+                         + (" (off: restores wait the engine's restore_quiet_s)" if restore_quiet_s is None else ""))
+        return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread{settings}; "
                 f"{', '.join(f'{s} = {FLEET_SWITCHES[s]}' for s in ran)}; "
                 f"quantized layer-seconds summed over the replicas, from each replica's own quantized_history "
                 f"(GET /admin/morph), exact to one report interval")
@@ -263,10 +263,10 @@ def _all_specs(num_layers: int, fleet_budget: int,
 
 
 def _fleet_args(name: str, fleet_budget: int, fleet_restore_quiet_s: float | str | None = APP_DEFAULT) -> dict:
-    budget = {"fleet_max_quantized_layers": fleet_budget} if name in BUDGETED else {}
-    if name in BUDGETED and fleet_restore_quiet_s != APP_DEFAULT:  # the systems that run the controller
-        budget["fleet_restore_quiet_s"] = fleet_restore_quiet_s
-    return {**FLEET_SWITCHES[name], **budget}
+    if name not in BUDGETED:  # no controller: the switches alone
+        return dict(FLEET_SWITCHES[name])
+    restore = {} if fleet_restore_quiet_s == APP_DEFAULT else {"fleet_restore_quiet_s": fleet_restore_quiet_s}
+    return {**FLEET_SWITCHES[name], "fleet_max_quantized_layers": fleet_budget, **restore}
 
 
 def interleaved_schedule(systems: Sequence[str], repeats: int) -> list[tuple[int, str]]:
