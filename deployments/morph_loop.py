@@ -104,6 +104,10 @@ class MorphLoop:
         # timeline, exact to one round, whichever replica a sampler's admin call happens to reach.
         self.quantized_history: collections.deque[tuple[float, int]] = collections.deque(maxlen=QUANTIZED_HISTORY_LEN)
         self.action_counts: dict[str, int] = {}  # ActionResult status -> how many (the engine's morph log)
+        # Rounds at which requests waited, by what they waited for (PressureSnapshot.waiting_for: memory,
+        # which morphing relieves, or compute, which it cannot): every replica's own count, so a benchmark
+        # sees the fleet's whole queue, not the replica its admin poll happened to reach.
+        self.waiting_rounds: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self._cursor = 0  # position in the engine's morph log already counted
         self._rejected: SetQuantizedTarget | None = None
@@ -156,6 +160,8 @@ class MorphLoop:
         snapshot, state = await self.observe()
         if not self.quantized_history or self.quantized_history[-1][1] != state.num_quantized:
             self.quantized_history.append((time.time(), state.num_quantized))
+        if snapshot.num_waiting > 0:
+            self.waiting_rounds[snapshot.waiting_for] = self.waiting_rounds.get(snapshot.waiting_for, 0) + 1
         self._count_engine_results()
         self.metrics.set_pressure(snapshot)
         self.metrics.set_morph_state(state)
@@ -262,6 +268,7 @@ class MorphLoop:
             "rounds": self.rounds,
             "quantized_history": [[round(t, 3), n] for t, n in self.quantized_history],
             "action_results": dict(self.action_counts),
+            "waiting_rounds": dict(self.waiting_rounds),
             "integrity": {"checks": self.integrity_checks, "failures": self.integrity_failures,
                           "last_error": self.last_integrity_error},
         }

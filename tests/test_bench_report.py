@@ -101,3 +101,16 @@ def test_the_busiest_replicas_share_of_requests_shows_how_a_fleet_spread_its_loa
     table = summarize(BenchResults(results.settings, (*results.runs, even, packed)))
     assert table["fleet"]["busiest_replica_share"].median == pytest.approx(0.7)
     assert table["fp"]["busiest_replica_share"].n == 0
+
+
+def test_what_queued_requests_waited_for_is_shown_as_the_share_waiting_for_memory(results):
+    compute_bound = SystemRun(system="fleet", repeat=0, records=(), waiting_rounds={"memory": 1, "compute": 3})
+    memory_bound = SystemRun(system="fleet", repeat=1, records=(), waiting_rounds={"memory": 6, "compute": 2,
+                                                                                     "unknown": 4})
+    assert compute_bound.memory_wait_share == 0.25 and memory_bound.memory_wait_share == 0.75
+    assert SystemRun(system="calm", repeat=0, records=(), waiting_rounds={"unknown": 2}).memory_wait_share is None
+    assert SystemRun(system="none", repeat=0, records=()).memory_wait_share is None
+    table = summarize(BenchResults(results.settings, (*results.runs, compute_bound, memory_bound)))
+    assert table["fleet"]["memory_wait_share"].median == pytest.approx(0.5)
+    assert table["fleet"]["waiting_rounds"].median == pytest.approx(8)  # 4 and 12 rounds with a queue
+    assert table["fp"]["waiting_rounds"].n == 0

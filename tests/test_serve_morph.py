@@ -33,6 +33,7 @@ class FakeEngine:
 
     def __init__(self):
         self.kv_usage, self.queue_delay, self.clock = 0.0, 0.0, 0.0
+        self.num_waiting, self.head_demand = 0, 0  # the queue: requests and the blocks its head needs
         self.precisions = [Precision.BF16] * NUM_LAYERS
         self.applied: list[SetQuantizedTarget] = []
         self.pending: tuple = ()
@@ -55,9 +56,10 @@ class FakeEngine:
         cap = self.state().kv_capacity_blocks
         return PressureSnapshot(time=self.clock, step=int(self.clock * 10), kv_used_blocks=round(self.kv_usage * cap),
                                 kv_capacity_blocks=cap, kv_max_blocks=BASE_BLOCKS + NUM_LAYERS * BLOCKS_PER_LAYER,
-                                num_running=1, num_waiting=0, queue_delay_s=self.queue_delay, ttft_recent_s=None,
-                                tpot_recent_s=None, throughput_tok_s=0.0, preemptions_total=0,
-                                ledger=LedgerFigures(budget=100, weights=50, kv=40, reserve=5))
+                                num_running=1, num_waiting=self.num_waiting, queue_delay_s=self.queue_delay,
+                                ttft_recent_s=None, tpot_recent_s=None, throughput_tok_s=0.0, preemptions_total=0,
+                                ledger=LedgerFigures(budget=100, weights=50, kv=40, reserve=5),
+                                head_demand_blocks=self.head_demand)
 
     def state(self) -> MorphState:
         low = sum(1 for p in self.precisions if not p.is_full)
@@ -189,6 +191,18 @@ def test_moves_the_engine_reports_between_rounds_are_counted():
     assert engine.applied == []  # already at the directive's target
     assert metrics.actions.value(model_name="fake", kind="swap_down") == 2
     assert metrics.actions.value(model_name="fake", kind="kv_grow") == 2
+
+
+def test_rounds_at_which_requests_waited_are_counted_by_what_they_waited_for():
+    engine = FakeEngine()
+    loop, _ = make_loop(engine, unreachable)
+    asyncio.run(loop.run_once())  # nothing waits: not counted
+    engine.num_waiting, engine.head_demand = 3, BASE_BLOCKS + 1  # the head needs more than is free: memory
+    asyncio.run(loop.run_once())
+    engine.head_demand = 1  # it would fit: the step's token budget holds it back (compute)
+    for _ in range(2):
+        asyncio.run(loop.run_once())
+    assert loop.status()["waiting_rounds"] == {"memory": 1, "compute": 2}
 
 
 def test_operator_pins_override_the_directive():

@@ -77,7 +77,7 @@ class BenchConfig:
 
     def notes(self) -> tuple[str, ...]:
         return (f"systems: {', '.join(self.systems)}; {self.repeats} repeat(s), interleaved (order rotated per "
-                f"repeat), each run on a freshly started server after one warm-up request",
+                f"repeat), each run on a freshly started server once every engine replica is up and has served a warm-up request",
                 f"engine: {self.dtype}, block_size {self.block_size}, max_model_len {self.max_model_len}, "
                 f"max_num_batched_tokens {self.max_num_batched_tokens}, {self.threads} threads; vLLM gets the "
                 f"same KV bytes via --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE is whole GiB only)",

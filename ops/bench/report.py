@@ -42,6 +42,9 @@ class SystemRun:
     quantized_layer_s: float | None = None  # integral of quantized layers over the run (sampled)
     engine_blocked_s: tuple[float, ...] = ()  # reaction.engine_blocked_waits: the engine's own head waits
     generate_calls: tuple[int, ...] = ()  # generate calls each engine replica received (a fleet's load spread)
+    # Report rounds (every replica's, ~4 a second) at which requests waited, by cause: "memory" (the head
+    # did not fit in KV: morphing relieves it) or "compute" (it would fit; the step's token budget holds it)
+    waiting_rounds: Mapping[str, int] = dataclasses.field(default_factory=dict)
     cpu_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)  # role -> CPU s during the replay (process_cpu.py)
 
     @property
@@ -49,6 +52,13 @@ class SystemRun:
         """The busiest replica's share of the generate calls (0.5 = even over 2 replicas); None for one."""
         total = sum(self.generate_calls)
         return max(self.generate_calls) / total if len(self.generate_calls) > 1 and total else None
+
+    @property
+    def memory_wait_share(self) -> float | None:
+        """Of the rounds at which requests waited for memory or compute, the share for memory: what the
+        morph (and a fleet's grants) can act on; None when nothing waited or the engines do not say."""
+        memory, compute = self.waiting_rounds.get("memory", 0), self.waiting_rounds.get("compute", 0)
+        return memory / (memory + compute) if memory + compute else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +132,8 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row["reaction_max_s"] = spread(r.reaction.max_s if r.reaction else None for r in runs)
         row["engine_blocked_median_s"] = spread(_median_or_none(r.engine_blocked_s) for r in runs)
         row["busiest_replica_share"] = spread(r.busiest_share for r in runs)
+        row["waiting_rounds"] = spread(sum(r.waiting_rounds.values()) if r.waiting_rounds else None for r in runs)
+        row["memory_wait_share"] = spread(r.memory_wait_share for r in runs)
         for role in CPU_ROLES:
             row[f"cpu_s.{role}"] = spread(r.cpu_seconds.get(role) for r in runs)
         table[system] = row
@@ -187,7 +199,8 @@ _TABLES = (
      (("episodes", "stall_episodes"), ("reaction median (s)", "reaction_median_s"), ("reaction max (s)", "reaction_max_s"),
       ("engine-reported head wait median (s)", "engine_blocked_median_s"),
       ("quantized layer-seconds", "quantized_layer_s"),
-      ("busiest replica's share of requests", "busiest_replica_share"))),
+      ("busiest replica's share of requests", "busiest_replica_share"),
+      ("report rounds with a queue", "waiting_rounds"), ("of those, waiting for memory", "memory_wait_share"))),
     ("CPU seconds during the replay, by process (every second outside the engines is taken from them on a small machine)",
      tuple((role, f"cpu_s.{role}") for role in CPU_ROLES)),
     ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
@@ -231,7 +244,7 @@ def _markdown(results: BenchResults, table: dict[str, dict[str, Spread]], plots:
 def _cell(row: dict[str, Spread], key: str, total: Spread) -> str:
     if key == "num_ok":
         return f"{row[key].format(digits=0)} / {total.format(digits=0)}"
-    return row[key].format(digits=0 if key == "preemptions" else 3)
+    return row[key].format(digits=0 if key in ("preemptions", "waiting_rounds") else 3)
 
 
 _FLAGS = re.compile(r"^(avx2|avx512\w*|amx\w*|fma|f16c)$")
@@ -275,6 +288,7 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
                   "quality": dataclasses.asdict(r.quality) if r.quality else None,
                   "tf_agreement": r.tf_agreement, "weighted_ppl": r.weighted_ppl,
                   "quantized_layer_s": r.quantized_layer_s, "generate_calls": list(r.generate_calls),
+                  "waiting_rounds": dict(r.waiting_rounds),
                   "cpu_seconds": dict(r.cpu_seconds),
                   "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
                   "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],
