@@ -291,6 +291,10 @@ class BurstMetrics:
         self.admission_morphs = b.counter(PREFIX + "admission_morphs",
                                           "Morphs the engine made at admission (swap) or by demand (restore)",
                                           m + ("kind",))
+        self.queue_waits = b.counter(PREFIX + "queue_wait_rounds",
+                                     "Report rounds at which requests waited, by cause: memory (the head of the "
+                                     "queue did not fit in KV) or compute (it fit; the step's token budget held it)",
+                                     m + ("cause",))
         self.demand = b.gauge(PREFIX + "kv_demand_blocks", "KV demand in blocks: waiting, running_reserved, "
                               "running_finish; available = free - running_reserved", m + ("kind",))
         self.reservation = b.gauge(PREFIX + "output_reservation_tokens",
@@ -301,6 +305,10 @@ class BurstMetrics:
                                  "SLO feedback level (0: configured thresholds, 1: most eager)", m)
         self.threshold = b.gauge(PREFIX + "policy_entry_threshold",
                                  "Entry thresholds in use (kv_usage; queue_delay_seconds)", m + ("signal",))
+
+    def count_queue_wait(self, cause: str) -> None:
+        """One report round at which requests waited for `cause` (PressureSnapshot.waiting_for)."""
+        self.queue_waits.inc(1, {**self._tags, "cause": cause})
 
     def set(self, snapshot: PressureSnapshot, directive) -> None:
         t = self._tags

@@ -162,6 +162,7 @@ class MorphLoop:
             self.quantized_history.append((time.time(), state.num_quantized))
         if snapshot.num_waiting > 0:
             self.waiting_rounds[snapshot.waiting_for] = self.waiting_rounds.get(snapshot.waiting_for, 0) + 1
+            self.metrics.burst.count_queue_wait(snapshot.waiting_for)
         self._count_engine_results()
         self.metrics.set_pressure(snapshot)
         self.metrics.set_morph_state(state)

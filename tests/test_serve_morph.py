@@ -195,7 +195,7 @@ def test_moves_the_engine_reports_between_rounds_are_counted():
 
 def test_rounds_at_which_requests_waited_are_counted_by_what_they_waited_for():
     engine = FakeEngine()
-    loop, _ = make_loop(engine, unreachable)
+    loop, metrics = make_loop(engine, unreachable)
     asyncio.run(loop.run_once())  # nothing waits: not counted
     engine.num_waiting, engine.head_demand = 3, BASE_BLOCKS + 1  # the head needs more than is free: memory
     asyncio.run(loop.run_once())
@@ -203,6 +203,8 @@ def test_rounds_at_which_requests_waited_are_counted_by_what_they_waited_for():
     for _ in range(2):
         asyncio.run(loop.run_once())
     assert loop.status()["waiting_rounds"] == {"memory": 1, "compute": 2}
+    assert metrics.burst.queue_waits.value(model_name="fake", cause="memory") == 1  # the same, for Prometheus
+    assert metrics.burst.queue_waits.value(model_name="fake", cause="compute") == 2
 
 
 def test_operator_pins_override_the_directive():

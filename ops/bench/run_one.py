@@ -260,7 +260,7 @@ class _AdminSampler:
             before = dict(self.histories)
             self._poll(self._t0)
             seen_after |= {rid for rid, h in self.histories.items() if h is not before.get(rid)}
-        if self.generate_calls:  # includes the warm-up request; shows how the router spread the load
+        if self.generate_calls:  # shows how the router spread the load (totals() takes the warm-ups off)
             _log(f"    generate calls per replica (warm-ups included): {dict(sorted(self.generate_calls.items()))}")
         offset = self._t0 + self._wall_minus_perf  # sampler time t_s -> wall clock
         samples = list(self.samples)[:during_run]

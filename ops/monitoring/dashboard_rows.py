@@ -62,6 +62,11 @@ def admission_row() -> Row:
                                          "{{kind}} " + per_replica),),
             description="swap: layers the engine quantized when the head of the queue did not fit; restore: "
             "layers it gave back when demand fit with margin.", unit="ops"),
+        Panel("What queued requests wait for", (Query(rate("ray_morphserve_queue_wait_rounds_total", "replica, cause"),
+                                                      "{{cause}} " + per_replica),),
+            description="Report rounds per second at which requests waited, by cause. memory: the head of the "
+            "queue did not fit in KV, which morphing relieves; compute: it fit and waits for the step's token "
+            "budget, which only more replicas (or a faster engine) relieve.", unit="ops"),
         Panel("KV demand (blocks)", (Query(gauge("ray_morphserve_kv_demand_blocks", "replica, kind"),
                                            "{{kind}} " + per_replica),),
             description="waiting: blocks the queue needs to be admitted; running_reserved / running_finish: "
