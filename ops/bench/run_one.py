@@ -136,6 +136,7 @@ def _warm_up_replicas(base: str, token: str, model: str, replicas: int, deadline
         if time.monotonic() > end:
             raise ServerStartError(f"{replicas} engine replicas not all up and warmed in {deadline_s:g} s "
                                    f"(generate calls seen per replica: {calls})")
+        time.sleep(0.2)  # a replica still loading: do not flood the one that is up with warm-ups
 
 
 def _configure(base: str, token: str, spec: SystemSpec, model: str, deadline_s: float) -> None:
