@@ -126,17 +126,23 @@ def _warm_up_replicas(base: str, token: str, model: str, replicas: int, deadline
         for _ in range(4 * replicas):  # Serve routes each call to one replica: ask until each answered
             try:
                 status, text = http_get(f"{base}/admin/morph", auth)
-                body = json.loads(text) if status == 200 else {}
+                counted = _generate_calls(json.loads(text)) if status == 200 else None
             except (OSError, ValueError):
                 continue  # a slow answer while replicas start; the deadline bounds the wait
-            if body.get("replica_id"):
-                calls[str(body["replica_id"])] = int((body.get("queue") or {}).get("generate_calls") or 0)
+            if counted is not None:
+                calls[counted[0]] = counted[1]
         if len(calls) >= replicas and all(n > 0 for n in calls.values()):
             return calls
         if time.monotonic() > end:
             raise ServerStartError(f"{replicas} engine replicas not all up and warmed in {deadline_s:g} s "
                                    f"(generate calls seen per replica: {calls})")
         time.sleep(0.2)  # a replica still loading: do not flood the one that is up with warm-ups
+
+
+def _generate_calls(status: dict) -> tuple[str, int] | None:
+    """(replica id, generate calls it has received) from one replica's /admin/morph body; None without them."""
+    replica_id, calls = status.get("replica_id"), (status.get("queue") or {}).get("generate_calls")
+    return (str(replica_id), calls) if replica_id and isinstance(calls, int) else None
 
 
 def _configure(base: str, token: str, spec: SystemSpec, model: str, deadline_s: float) -> None:
@@ -222,9 +228,9 @@ class _AdminSampler:
                 parsed = json.loads(body)
                 if isinstance(parsed.get("quantized_history"), list):
                     self.histories[str(parsed.get("replica_id"))] = parsed["quantized_history"]
-                calls = (parsed.get("queue") or {}).get("generate_calls")
-                if isinstance(calls, int):
-                    self.generate_calls[str(parsed.get("replica_id"))] = calls
+                counted = _generate_calls(parsed)
+                if counted is not None:
+                    self.generate_calls[counted[0]] = counted[1]
                 if isinstance(parsed.get("waiting_rounds"), dict):
                     self.waiting_rounds[str(parsed.get("replica_id"))] = parsed["waiting_rounds"]
         except (OSError, ValueError):
