@@ -302,6 +302,25 @@ def test_the_mean_load_is_a_command_line_setting_checked_by_the_rule():
         bench_config(parse_args(["--mean-load", "1.2"]))
 
 
+def test_longer_prompts_and_outputs_grow_the_context_to_hold_them():
+    default = bench_config(parse_args([]))
+    assert (default.prompt_scale, default.prompt_range, default.max_model_len) == (1 / 8, (16, 256), 512)
+    cfg = bench_config(parse_args(["--fleet", "--prompt-scale", "0.25", "--prompt-max", "1000"]))
+    assert cfg.prompt_scale == 0.25 and cfg.prompt_range == (16, 1000)
+    # 1000 prompt + 64 chat template + 32 output tokens = 68.5 blocks of 16 -> 69 blocks
+    assert cfg.max_model_len == 69 * 16 and workload_spec(cfg).prompt_max == 1000
+    assert bench_config(parse_args(["--prompt-max", "128"])).max_model_len == 512  # never below the default
+    out = bench_config(parse_args(["--output-scale", "0.5", "--output-max", "256"]))
+    assert (out.output_scale, out.output_range, out.prompt_range) == (0.5, (4, 256), (16, 256))
+    assert out.max_model_len == 36 * 16  # 256 + 64 + 256 tokens
+    with pytest.raises(BenchmarkInputError, match="max_model_len"):
+        BenchConfig(prompt_range=(16, 450))  # + 64 template + 32 output tokens > 512
+    with pytest.raises(BenchmarkInputError, match="prompt_scale"):
+        bench_config(parse_args(["--prompt-scale", "0"]))
+    with pytest.raises(BenchmarkInputError, match="output_range"):
+        bench_config(parse_args(["--output-max", "0"]))
+
+
 def test_the_fleet_probe_keeps_every_replica_saturated():
     from ops.bench.run_all import bench_config, parse_args
     from ops.bench.systems import FLEET_REPLICAS

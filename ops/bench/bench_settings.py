@@ -16,6 +16,9 @@ from ops.bench.crosscheck import CrossCheckPlan
 from ops.bench.workload import WorkloadSpec
 
 APP_DEFAULT = "app"  # a fleet setting the benchmark leaves to the app (AppArgs' own default)
+# Prompts are fitted to the trace's lengths as plain text; the chat template then adds the roles and the
+# default system prompt (about 30 tokens with SmolLM2), which max_model_len must hold too.
+CHAT_TEMPLATE_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,15 @@ class BenchConfig:
             raise BenchmarkInputError("slo_ttft_s and drain_s must be positive")
         if self.capacity_rps is not None and not self.capacity_rps > 0:
             raise BenchmarkInputError(f"capacity_rps={self.capacity_rps}: give a positive rate or leave it unset")
+        for kind, scale, (low, high) in (("prompt", self.prompt_scale, self.prompt_range),
+                                         ("output", self.output_scale, self.output_range)):
+            if not (scale > 0 and 1 <= low <= high):
+                raise BenchmarkInputError(f"{kind}_scale={scale}, {kind}_range={(low, high)}: need a positive "
+                                          f"scale and 1 <= shortest <= longest {kind}")
+        if self.prompt_range[1] + CHAT_TEMPLATE_TOKENS + self.output_range[1] > self.max_model_len:
+            raise BenchmarkInputError(f"the longest prompt ({self.prompt_range[1]}), its chat template (up to "
+                                      f"{CHAT_TEMPLATE_TOKENS}) and the longest output ({self.output_range[1]}) "
+                                      f"exceed max_model_len={self.max_model_len}")
 
     def fitting_repeats(self, replay_s: float, elapsed_s: float) -> int:
         """Repeats (at most `repeats`, at least 1) whose runs fit what is left of the time budget."""

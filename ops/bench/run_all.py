@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engine import datasets
-from ops.bench.bench_settings import BenchConfig, workload_spec
+from ops.bench.bench_settings import CHAT_TEMPLATE_TOKENS, BenchConfig, workload_spec
 from ops.bench.calibration import calibrate
 from ops.bench.loadgen import load_requests, reference_answers
 from ops.bench.probe import measure
@@ -81,6 +81,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "max_model_len sequences (default 2): less makes the replay more memory-bound")
     ap.add_argument("--slo-ttft-s", type=float, default=None, help="the TTFT SLO in seconds, the same for every "
                     "system (default 2, the paper's)")
+    ap.add_argument("--prompt-scale", type=float, default=None, help="the trace's prompt lengths times this "
+                    "(default 1/8, for a 135M model's 512-token context)")
+    ap.add_argument("--prompt-max", type=int, default=None, help="prompts longer than this many tokens are cut "
+                    "(default 256); max_model_len grows to hold the longest prompt and output, and each replica's KV "
+                    "with it (--kv-sequences of them)")
+    ap.add_argument("--output-scale", type=float, default=None, help="the trace's output lengths times this "
+                    "(default 1/8)")
+    ap.add_argument("--output-max", type=int, default=None, help="outputs longer than this many tokens are cut "
+                    "(default 32); max_model_len grows with it as with --prompt-max")
     ap.add_argument("--dtype", choices=("bf16", "fp32", "auto"), default=None, help="MorphServe's full precision "
                     "(default bf16, as vLLM serves; auto: the engine's choice for this CPU, fp32 without native bf16)")
     return ap.parse_args(argv)
@@ -114,7 +123,24 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         changes["quality"] = False
     if args.dtype is not None:
         changes["dtype"] = bench_dtype(args.dtype)
+    for name in ("prompt_scale", "output_scale"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.prompt_max is not None or args.output_max is not None:
+        changes |= length_limits(base, args.prompt_max, args.output_max)
     return dataclasses.replace(base, **changes)
+
+
+def length_limits(base: BenchConfig, prompt_max: int | None, output_max: int | None) -> dict:
+    """The config changes for prompts and outputs cut at other lengths (None: the default's): max_model_len
+    holds the longest prompt, its chat template and the longest output, in whole KV blocks, and never
+    shrinks below the default's."""
+    prompt_max = base.prompt_range[1] if prompt_max is None else prompt_max
+    output_max = base.output_range[1] if output_max is None else output_max
+    blocks = -(-(prompt_max + CHAT_TEMPLATE_TOKENS + output_max) // base.block_size)
+    return {"prompt_range": (min(base.prompt_range[0], prompt_max), prompt_max),
+            "output_range": (min(base.output_range[0], output_max), output_max),
+            "max_model_len": max(base.max_model_len, blocks * base.block_size)}
 
 
 def bench_dtype(name: str) -> str:
