@@ -114,3 +114,25 @@ def test_what_queued_requests_waited_for_is_shown_as_the_share_waiting_for_memor
     assert table["fleet"]["memory_wait_share"].median == pytest.approx(0.5)
     assert table["fleet"]["waiting_rounds"].median == pytest.approx(8)  # 4 and 12 rounds with a queue
     assert table["fp"]["waiting_rounds"].n == 0
+
+
+def test_misses_are_split_by_the_burst_window_each_request_arrived_in(results, tmp_path):
+    import dataclasses
+
+    from ops.bench.metrics import compute_run_metrics, misses_by_window
+
+    fp = results.runs_of("fp")[0]  # requests scheduled at 0, 1, 2, 3 s, every one over the 0.75 s SLO
+    assert misses_by_window(fp.records, 0.75, (0.0, 2.0)) == (2, 2)
+    assert misses_by_window(fp.records, 0.75, (0.5, 2.5)) == (3, 1)  # before the first window: the first
+    assert misses_by_window(fp.records, 0.75, ()) == ()
+    assert sum(misses_by_window(fp.records, 0.75, (0.0, 1.5, 3.0))) == compute_run_metrics(fp.records, 0.75).slo_violations
+    failed = dataclasses.replace(results.runs_of("int4")[0].records[3], status=500, first_token_s=None)
+    assert misses_by_window((*results.runs_of("int4")[0].records[:3], failed), 0.75, (0.0, 2.0)) == (0, 1)
+
+    windowed = dataclasses.replace(results, settings=dataclasses.replace(results.settings, window_starts_s=(0.0, 2.0)))
+    paths = build_report(windowed, tmp_path / "out")
+    md = paths.report_md.read_text()
+    assert "| system | window 1 (from 0.0 s) | window 2 (from 2.0 s) |" in md
+    assert "| fp | 2 | 2 |" in md and "| int4 | 0 | 0 |" in md
+    assert json.loads(paths.results_json.read_text())["runs"][0]["misses_by_window"] == [2, 2]
+    assert "by burst window" not in build_report(results, tmp_path / "one").report_md.read_text()  # one window: no table

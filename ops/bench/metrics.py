@@ -12,6 +12,7 @@ Percentiles interpolate linearly between closest ranks (numpy's default "linear"
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
@@ -86,6 +87,20 @@ def request_ttft(r: RequestRecord) -> float | None:
 def meets_slo(r: RequestRecord, slo_ttft_s: float) -> bool:
     ttft = request_ttft(r)
     return ttft is not None and ttft <= slo_ttft_s
+
+
+def misses_by_window(records: Sequence[RequestRecord], slo_ttft_s: float,
+                     window_starts_s: Sequence[float]) -> tuple[int, ...]:
+    """SLO misses (failed requests included, as in slo_violations) per burst window: a request belongs to
+    the last window that starts at or before its scheduled arrival. The windows' sum is slo_violations."""
+    starts = sorted(window_starts_s)
+    if not starts:
+        return ()
+    misses = [0] * len(starts)
+    for r in records:
+        if not meets_slo(r, slo_ttft_s):
+            misses[max(0, bisect.bisect_right(starts, r.scheduled_s) - 1)] += 1
+    return tuple(misses)
 
 
 def compute_run_metrics(records: Sequence[RequestRecord], slo_ttft_s: float,

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import RequestRecord, ServerSample
-from ops.bench.metrics import RunMetrics, Spread, aggregate, compute_run_metrics, spread
+from ops.bench.metrics import RunMetrics, Spread, aggregate, compute_run_metrics, misses_by_window, spread
 from ops.bench.process_cpu import CPU_ROLES
 from ops.bench.reaction import ReactionSummary
 from ops.quality.rouge import agreement, quality_loss_reduction
@@ -75,6 +75,7 @@ class BenchSettings:
     calibration: str = ""  # Calibration.describe()
     crosscheck: tuple[str, ...] = ()  # crosscheck.describe()
     goals: tuple[str, ...] = ()  # goals.goal_lines()
+    window_starts_s: tuple[float, ...] = ()  # replay time each burst window starts (Workload.window_starts_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,9 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row["busiest_replica_share"] = spread(r.busiest_share for r in runs)
         row["waiting_rounds"] = spread(sum(r.waiting_rounds.values()) if r.waiting_rounds else None for r in runs)
         row["memory_wait_share"] = spread(r.memory_wait_share for r in runs)
+        by_window = [misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s) for r in runs]
+        for k in range(len(s.window_starts_s)):
+            row[f"slo_violations.w{k + 1}"] = spread(misses[k] for misses in by_window)
         for role in CPU_ROLES:
             row[f"cpu_s.{role}"] = spread(r.cpu_seconds.get(role) for r in runs)
         table[system] = row
@@ -235,10 +239,25 @@ def _markdown(results: BenchResults, table: dict[str, dict[str, Spread]], plots:
         for system, row in table.items():
             cells = [_cell(row, key, row["num_requests"]) for _, key in columns]
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    lines += _window_table(s.window_starts_s, table)
     lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in plots]
     lines += ["", "## How it was run", ""] + ([f"    {c}" for c in s.commands] or ["    (not recorded)"])
     lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in machine_facts().items()]
     return "\n".join(lines) + "\n"
+
+
+def _window_table(starts: Sequence[float], table: dict[str, dict[str, Spread]]) -> list[str]:
+    """SLO misses by the burst window the request arrived in: where in the replay a system misses (the
+    fleet's levers act after a burst's start, so a miss in the first burst is beyond them)."""
+    if len(starts) < 2:
+        return []
+    heads = [f"window {k + 1} (from {t:.1f} s)" for k, t in enumerate(starts)]
+    lines = ["", "## SLO misses by burst window (by scheduled arrival)", "", "| system | " + " | ".join(heads) + " |",
+             "|---" * (len(heads) + 1) + "|"]
+    for system, row in table.items():
+        lines.append(f"| {system} | " + " | ".join(row[f"slo_violations.w{k + 1}"].format(digits=0)
+                                                  for k in range(len(starts))) + " |")
+    return lines
 
 
 def _cell(row: dict[str, Spread], key: str, total: Spread) -> str:
@@ -289,6 +308,7 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
                   "tf_agreement": r.tf_agreement, "weighted_ppl": r.weighted_ppl,
                   "quantized_layer_s": r.quantized_layer_s, "generate_calls": list(r.generate_calls),
                   "waiting_rounds": dict(r.waiting_rounds),
+                  "misses_by_window": list(misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s)),
                   "cpu_seconds": dict(r.cpu_seconds),
                   "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
                   "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],

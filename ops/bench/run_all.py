@@ -184,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = _ReportInfo(cfg, plan, workload.describe(), command, prompts, files.name, calibration.describe(),
                        tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems, _fleet_budget(specs),
                                                                          cfg.fleet_restore_quiet_s),
-                                                              budget_note))) or None)
+                                                              budget_note))) or None,
+                       workload.window_starts_s)
     runs: list[SystemRun] = []
     failures: list[str] = []
     for i, (repeat, name) in enumerate(schedule):
@@ -217,6 +218,7 @@ class _ReportInfo:
     calibration: str
     crosscheck: tuple[str, ...]
     extra_note: str | None
+    window_starts_s: tuple[float, ...] = ()  # replay time each burst window starts
 
 
 def _with_reaction(run: SystemRun, spec, plan, cfg: BenchConfig) -> SystemRun:
@@ -267,7 +269,7 @@ def _write(out: Path, runs, failures, info: _ReportInfo):
         memory_budget=f"{plan.describe()}; {plan.describe_vllm(vllm_block_size(plan), vllm_kv_tokens(plan))}",
         workload=info.workload, slo_ttft_s=cfg.slo_ttft_s, full_precision_system=reference,
         static_int4_system=STATIC_INT4 if STATIC_INT4 in cfg.systems else None, commands=(info.command,),
-        calibration=info.calibration, crosscheck=info.crosscheck)
+        calibration=info.calibration, crosscheck=info.crosscheck, window_starts_s=info.window_starts_s)
     results = BenchResults(settings=settings, runs=scored)
     notes = (*cfg.notes(), *([info.extra_note] if info.extra_note else []),
              *[f"failed run: {f}" for f in failures])
