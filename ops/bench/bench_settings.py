@@ -3,7 +3,7 @@
 Workload rule: the trace's `num_windows` (or more, until `min_requests`) non-overlapping windows of
 `window_s` seconds with the highest peak-to-mean arrival rate (ops/bench/workload.py), replayed one
 after the other; prompt and output lengths scaled down by 8 and clipped (a 135M model with a 512-token
-context); arrival times scaled by the calibration (ops/bench/calibration.py), measured on this
+context; run_all's --prompt-scale/--prompt-max/--output-scale/--output-max change them); arrival times scaled by the calibration (ops/bench/calibration.py), measured on this
 machine before the replay. The goals the report checks live in ops/bench/goals.py.
 """
 from __future__ import annotations
