@@ -292,6 +292,22 @@ def test_the_fleet_restore_quiet_period_reaches_only_the_controller_systems():
             parse_args(["--fleet-restore-quiet-s", bad])
 
 
+def test_the_fleet_report_interval_reaches_only_the_controller_systems():
+    from ops.bench.systems import fleet_note
+
+    names = ("fleet-serve-router", "fleet-controller-only", "fleet-pressure-router")
+    assert bench_config(parse_args(["--fleet"])).fleet_report_interval_s is None
+    cfg = bench_config(parse_args(["--fleet", "--fleet-report-interval-s", "1"]))
+    specs = {s.name: s for s in system_specs(names, 30, 2.0, APP_DEFAULT, cfg.fleet_report_interval_s)}
+    assert specs["fleet-controller-only"].app_args["report_interval_s"] == 1.0
+    assert specs["fleet-pressure-router"].app_args["report_interval_s"] == 1.0
+    assert "report_interval_s" not in specs["fleet-serve-router"].app_args  # the baseline keeps the app's
+    assert "report_interval_s=1 for them" in fleet_note(names, 36, APP_DEFAULT, 1.0)
+    assert all("report_interval_s" not in s.app_args for s in system_specs(names, 30, 2.0))
+    with pytest.raises(BenchmarkInputError, match="fleet_report_interval_s"):
+        bench_config(parse_args(["--fleet", "--fleet-report-interval-s", "0"]))
+
+
 def test_the_mean_load_is_a_command_line_setting_checked_by_the_rule():
     from ops.bench import BenchmarkInputError
     from ops.bench.run_all import bench_config, parse_args

@@ -56,6 +56,9 @@ class BenchConfig:
     # --fleet: AppArgs.fleet_restore_quiet_s of the controller systems; None: off (a replica's restores
     # always wait the engine's restore_quiet_s)
     fleet_restore_quiet_s: float | str | None = APP_DEFAULT
+    # --fleet: AppArgs.report_interval_s of the controller systems (how often a replica reports to the
+    # controller); None: the app's
+    fleet_report_interval_s: float | None = None
     quality: bool = True  # teacher-forced agreement and token-weighted perplexity after the load phase
     ppl_tokens: int = 2048
     ppl_window: int = 512
@@ -65,6 +68,9 @@ class BenchConfig:
             raise BenchmarkInputError(f"repeats={self.repeats}: use at least 1")
         if not self.slo_ttft_s > 0 or not self.drain_s > 0:
             raise BenchmarkInputError("slo_ttft_s and drain_s must be positive")
+        if self.fleet_report_interval_s is not None and not self.fleet_report_interval_s > 0:
+            raise BenchmarkInputError(f"fleet_report_interval_s={self.fleet_report_interval_s}: give a positive "
+                                      "interval in seconds or leave it to the app")
         if self.capacity_rps is not None and not self.capacity_rps > 0:
             raise BenchmarkInputError(f"capacity_rps={self.capacity_rps}: give a positive rate or leave it unset")
         for kind, scale, (low, high) in (("prompt", self.prompt_scale, self.prompt_range),

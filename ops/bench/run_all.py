@@ -74,6 +74,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--fleet-restore-quiet-s", type=_seconds_or_off, default=None, metavar="S|off",
                     help="--fleet: the controller systems' fleet_restore_quiet_s (default: the app's); off: a "
                     "replica's restores always wait the engine's restore_quiet_s")
+    ap.add_argument("--fleet-report-interval-s", type=float, default=None, metavar="S",
+                    help="--fleet: the controller systems' report_interval_s, how often each replica reports to "
+                    "the controller and applies its directive (default: the app's 0.25 s)")
     ap.add_argument("--mean-load", type=float, default=None, help="the replay's mean arrival rate as a fraction of "
                     "the measured capacity (default 0.5; raised when the bursts would not exceed capacity)")
     ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
@@ -100,6 +103,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     changes = {k: v for k, v in (("repeats", args.repeats), ("window_s", args.window_s),
                                  ("capacity_rps", args.capacity_rps),
                                  ("fleet_budget_replicas", args.fleet_budget_replicas),
+                                 ("fleet_report_interval_s", args.fleet_report_interval_s),
                                  ("kv_sequences", args.kv_sequences), ("slo_ttft_s", args.slo_ttft_s)) if v is not None}
     if args.fleet_restore_quiet_s is not None:  # `off` is AppArgs' None
         changes["fleet_restore_quiet_s"] = None if args.fleet_restore_quiet_s == "off" else args.fleet_restore_quiet_s
@@ -158,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = model_setup(cfg, args.model, out)
     files, facts, ctx, plan = setup.files, setup.facts, setup.ctx, setup.ctx.plan
     specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers, cfg.fleet_budget_replicas,
-                                             cfg.fleet_restore_quiet_s)}
+                                             cfg.fleet_restore_quiet_s, cfg.fleet_report_interval_s)}
     trace = load_trace(datasets.resolve("azure_conv", args.trace))
     unscaled = build_workload(trace, workload_spec(cfg))
     prompts = build_prompts(unscaled.requests, setup.encode, setup.decode, seed=cfg.seed)
@@ -183,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
          f"{workload.duration_s + 45:.0f} s each (replay + server start)")
     info = _ReportInfo(cfg, plan, workload.describe(), command, prompts, files.name, calibration.describe(),
                        tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems, _fleet_budget(specs),
-                                                                         cfg.fleet_restore_quiet_s),
+                                                                         cfg.fleet_restore_quiet_s,
+                                                                         cfg.fleet_report_interval_s),
                                                               budget_note))) or None,
                        workload.window_starts_s)
     runs: list[SystemRun] = []
