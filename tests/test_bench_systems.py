@@ -281,10 +281,10 @@ def test_the_fleet_restore_quiet_period_reaches_only_the_controller_systems():
     for flag, expected in (("off", None), ("1.5", 1.5)):
         cfg = bench_config(parse_args(["--fleet", "--fleet-restore-quiet-s", flag]))
         assert cfg.fleet_restore_quiet_s == expected
-        specs = {s.name: s for s in system_specs(names, 30, 2.0, cfg.fleet_restore_quiet_s)}
+        specs = {s.name: s for s in system_specs(names, 30, 2.0, cfg.controller_overrides())}
         assert specs["fleet-controller-only"].app_args["fleet_restore_quiet_s"] == expected
         assert all("fleet_restore_quiet_s" not in specs[n].app_args for n in ("fleet-serve-router", "fleet-router-only"))
-        assert f"fleet_restore_quiet_s={expected} for them" in fleet_note(names, 36, cfg.fleet_restore_quiet_s)
+        assert f"fleet_restore_quiet_s={expected} for them" in fleet_note(names, 36, cfg.controller_overrides())
     specs = system_specs(names, 30, 2.0)
     assert all("fleet_restore_quiet_s" not in s.app_args for s in specs)
     for bad in ("-1", "soon"):
@@ -298,11 +298,11 @@ def test_the_fleet_report_interval_reaches_only_the_controller_systems():
     names = ("fleet-serve-router", "fleet-controller-only", "fleet-pressure-router")
     assert bench_config(parse_args(["--fleet"])).fleet_report_interval_s is None
     cfg = bench_config(parse_args(["--fleet", "--fleet-report-interval-s", "1"]))
-    specs = {s.name: s for s in system_specs(names, 30, 2.0, APP_DEFAULT, cfg.fleet_report_interval_s)}
+    specs = {s.name: s for s in system_specs(names, 30, 2.0, cfg.controller_overrides())}
     assert specs["fleet-controller-only"].app_args["report_interval_s"] == 1.0
     assert specs["fleet-pressure-router"].app_args["report_interval_s"] == 1.0
     assert "report_interval_s" not in specs["fleet-serve-router"].app_args  # the baseline keeps the app's
-    assert "report_interval_s=1 for them" in fleet_note(names, 36, APP_DEFAULT, 1.0)
+    assert "report_interval_s=1 for them" in fleet_note(names, 36, {"report_interval_s": 1.0})
     assert all("report_interval_s" not in s.app_args for s in system_specs(names, 30, 2.0))
     with pytest.raises(BenchmarkInputError, match="fleet_report_interval_s"):
         bench_config(parse_args(["--fleet", "--fleet-report-interval-s", "0"]))

@@ -3,8 +3,8 @@
 Workload rule: the trace's `num_windows` (or more, until `min_requests`) non-overlapping windows of
 `window_s` seconds with the highest peak-to-mean arrival rate (ops/bench/workload.py), replayed one
 after the other; prompt and output lengths scaled down by 8 and clipped (a 135M model with a 512-token
-context; run_all's --prompt-scale/--prompt-max/--output-scale/--output-max change them); arrival times scaled by the calibration (ops/bench/calibration.py), measured on this
-machine before the replay. The goals the report checks live in ops/bench/goals.py.
+context; run_all's --prompt-scale/--prompt-max/--output-scale/--output-max change them); arrival
+times scaled by the calibration (ops/bench/calibration.py), measured on this machine before the replay. The goals the report checks live in ops/bench/goals.py.
 """
 from __future__ import annotations
 
@@ -82,6 +82,15 @@ class BenchConfig:
             raise BenchmarkInputError(f"the longest prompt ({self.prompt_range[1]}), its chat template (up to "
                                       f"{CHAT_TEMPLATE_TOKENS}) and the longest output ({self.output_range[1]}) "
                                       f"exceed max_model_len={self.max_model_len}")
+
+    def controller_overrides(self) -> dict:
+        """The AppArgs the controller systems get beyond the app's defaults (the --fleet-* settings)."""
+        overrides = {}
+        if self.fleet_restore_quiet_s != APP_DEFAULT:  # None is a setting too: off
+            overrides["fleet_restore_quiet_s"] = self.fleet_restore_quiet_s
+        if self.fleet_report_interval_s is not None:
+            overrides["report_interval_s"] = self.fleet_report_interval_s
+        return overrides
 
     def fitting_repeats(self, replay_s: float, elapsed_s: float) -> int:
         """Repeats (at most `repeats`, at least 1) whose runs fit what is left of the time budget."""

@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = model_setup(cfg, args.model, out)
     files, facts, ctx, plan = setup.files, setup.facts, setup.ctx, setup.ctx.plan
     specs = {s.name: s for s in system_specs(cfg.systems, facts.num_layers, cfg.fleet_budget_replicas,
-                                             cfg.fleet_restore_quiet_s, cfg.fleet_report_interval_s)}
+                                             cfg.controller_overrides())}
     trace = load_trace(datasets.resolve("azure_conv", args.trace))
     unscaled = build_workload(trace, workload_spec(cfg))
     prompts = build_prompts(unscaled.requests, setup.encode, setup.decode, seed=cfg.seed)
@@ -187,8 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          f"{workload.duration_s + 45:.0f} s each (replay + server start)")
     info = _ReportInfo(cfg, plan, workload.describe(), command, prompts, files.name, calibration.describe(),
                        tuple(checks), "; ".join(filter(None, (fleet_note(cfg.systems, _fleet_budget(specs),
-                                                                         cfg.fleet_restore_quiet_s,
-                                                                         cfg.fleet_report_interval_s),
+                                                                         cfg.controller_overrides()),
                                                               budget_note))) or None,
                        workload.window_starts_s)
     runs: list[SystemRun] = []

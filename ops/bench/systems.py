@@ -16,10 +16,9 @@ import dataclasses
 import json
 import struct
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from ops.bench import BenchmarkInputError
-from ops.bench.bench_settings import APP_DEFAULT
 from ops.bench.loadgen import parse_json_status, prometheus_status_parser
 
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}  # the full precisions the benchmark serves MorphServe in (--dtype)
@@ -76,8 +75,7 @@ def fleet_budget_layers(num_layers: int, replicas_worth: float) -> int:
     return max(1, min(FLEET_REPLICAS * cap, round(replicas_worth * cap)))
 
 
-def fleet_note(systems, budget_layers: int | None = None,
-               restore_quiet_s: float | str | None = APP_DEFAULT, report_interval_s: float | None = None) -> str | None:
+def fleet_note(systems, budget_layers: int | None = None, controller_overrides: Mapping[str, Any] = {}) -> str | None:
     ran = [s for s in systems if s in FLEET_SYSTEMS]
     if not ran:
         return None
@@ -85,11 +83,10 @@ def fleet_note(systems, budget_layers: int | None = None,
         budgeted = [s for s in ran if s in BUDGETED]
         settings = (f"; fleet_max_quantized_layers={budget_layers} (one accuracy budget for the fleet) for "
                     f"{', '.join(budgeted)}, none for the others" if budget_layers is not None and budgeted else "")
-        if budgeted and restore_quiet_s != APP_DEFAULT:
-            settings += (f"; fleet_restore_quiet_s={restore_quiet_s} for them"
-                         + (" (off: restores wait the engine's restore_quiet_s)" if restore_quiet_s is None else ""))
-        if budgeted and report_interval_s is not None:
-            settings += f"; report_interval_s={report_interval_s:g} for them"
+        for key, value in (controller_overrides.items() if budgeted else ()):
+            settings += f"; {key}={value:g} for them" if isinstance(value, float) else f"; {key}={value} for them"
+            if key == "fleet_restore_quiet_s" and value is None:
+                settings += " (off: restores wait the engine's restore_quiet_s)"
         return (f"fleet: {FLEET_REPLICAS} replicas per system, each with the budget above and 1 thread{settings}; "
                 f"{', '.join(f'{s} = {FLEET_SWITCHES[s]}' for s in ran)}; "
                 f"quantized layer-seconds summed over the replicas, from each replica's own quantized_history "
@@ -232,13 +229,12 @@ class SystemSpec:
 
 
 def system_specs(names: Sequence[str], num_layers: int, fleet_budget_replicas: float = 1.0,
-                 fleet_restore_quiet_s: float | str | None = APP_DEFAULT,
-                 fleet_report_interval_s: float | None = None) -> tuple[SystemSpec, ...]:
+                 controller_overrides: Mapping[str, Any] = {}) -> tuple[SystemSpec, ...]:
     """`fleet_budget_replicas`: FLEET_PRESSURE's fleet accuracy budget, in replicas' caps (fleet_budget_layers).
-    `fleet_restore_quiet_s`: the controller systems' AppArgs.fleet_restore_quiet_s (APP_DEFAULT: left to the app).
-    `fleet_report_interval_s`: the controller systems' AppArgs.report_interval_s (None: left to the app)."""
+    `controller_overrides`: AppArgs the controller systems get beyond the app's defaults
+    (BenchConfig.controller_overrides)."""
     known = {s.name: s for s in _all_specs(num_layers, fleet_budget_layers(num_layers, fleet_budget_replicas),
-                                           fleet_restore_quiet_s, fleet_report_interval_s)}
+                                           controller_overrides)}
     if any(n in FLEET_SYSTEMS and n != FLEET_BASELINE for n in names) and not fleet_switches_available():
         raise BenchmarkInputError(f"{names} need AppArgs {sorted(FLEET_SWITCHES[FLEET_PRESSURE])}, which "
                                   f"this build lacks; run {FLEET_BASELINE} only")
@@ -250,8 +246,8 @@ def system_specs(names: Sequence[str], num_layers: int, fleet_budget_replicas: f
     return tuple(known[n] for n in names)
 
 
-def _all_specs(num_layers: int, fleet_budget: int, fleet_restore_quiet_s: float | str | None = APP_DEFAULT,
-               fleet_report_interval_s: float | None = None) -> tuple[SystemSpec, ...]:
+def _all_specs(num_layers: int, fleet_budget: int,
+               controller_overrides: Mapping[str, Any] = {}) -> tuple[SystemSpec, ...]:
     dynamic = tuple(SystemSpec(f"morphserve-{m}", "morphserve", f"MorphServe dynamic, {m} mode", mode=m)
                     for m in ("accuracy", "balanced", "performance"))
     return (SystemSpec(STATIC_FP, "morphserve", "MorphServe, morphing off (all layers bf16)", enable_morphing=False),
@@ -261,18 +257,15 @@ def _all_specs(num_layers: int, fleet_budget: int, fleet_restore_quiet_s: float 
             SystemSpec(VLLM, "vllm", "vLLM CPU build, bf16, same KV bytes"),
             *(SystemSpec(name, "morphserve", f"MorphServe fleet, {FLEET_REPLICAS} replicas", mode="balanced",
                          replicas=FLEET_REPLICAS,
-                         app_args=(_fleet_args(name, fleet_budget, fleet_restore_quiet_s, fleet_report_interval_s)
+                         app_args=(_fleet_args(name, fleet_budget, controller_overrides)
                                    if fleet_switches_available() else {}))
               for name in FLEET_SYSTEMS))
 
 
-def _fleet_args(name: str, fleet_budget: int, fleet_restore_quiet_s: float | str | None = APP_DEFAULT,
-                fleet_report_interval_s: float | None = None) -> dict:
+def _fleet_args(name: str, fleet_budget: int, controller_overrides: Mapping[str, Any] = {}) -> dict:
     if name not in BUDGETED:  # no controller: the switches alone
         return dict(FLEET_SWITCHES[name])
-    restore = {} if fleet_restore_quiet_s == APP_DEFAULT else {"fleet_restore_quiet_s": fleet_restore_quiet_s}
-    reports = {} if fleet_report_interval_s is None else {"report_interval_s": fleet_report_interval_s}
-    return {**FLEET_SWITCHES[name], "fleet_max_quantized_layers": fleet_budget, **restore, **reports}
+    return {**FLEET_SWITCHES[name], "fleet_max_quantized_layers": fleet_budget, **controller_overrides}
 
 
 def interleaved_schedule(systems: Sequence[str], repeats: int) -> list[tuple[int, str]]:
