@@ -173,6 +173,10 @@ class FleetConfig(BaseModel):
                                  "single unpressured snapshots under a steady overload do not restart the clock")
     max_extra_replicas: int = Field(4, ge=0, description="most extra replicas scale_out_signal() asks for at once")
     fleet_restore_quiet_s: float | None = Field(
-        0.5, ge=0.0, description="while every other replica is relaxed, a replica's demand restores need only this "
-                                 "much quiet (the others take the load it gives back); None: always the engine's "
-                                 "restore_quiet_s")
+        0.5, ge=0.0, description="once every replica has been calm for fleet_restore_calm_s, a replica's demand "
+                                 "restores need only this much quiet (the others take the load it gives back); "
+                                 "None: always the engine's restore_quiet_s")
+    fleet_restore_calm_s: float = Field(
+        1.0, ge=0.0, description="how long every replica, the restoring one included, must have absorbed load "
+                                 "(relaxed, nothing waiting; its own snapshot clock) before fleet_restore_quiet_s "
+                                 "applies: longer than a lull inside a burst")

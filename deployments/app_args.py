@@ -42,7 +42,8 @@ class AppArgs(BaseModel):
     scale_out_reset_after_s: float = Field(5.0, ge=0.0, description="a scale-out request is withdrawn only after saturation has been absent this long (hysteresis)")
     replica_timeout_s: float = Field(10.0, gt=0.0, description="the controller forgets a replica silent this long and returns its grant")
     max_extra_replicas: int = Field(4, ge=0, description="most extra replicas the controller asks for at once")
-    fleet_restore_quiet_s: float | None = Field(0.5, ge=0.0, description="the quiet period a replica's restores need while every other replica is relaxed (None: always the engine's restore_quiet_s)")
+    fleet_restore_quiet_s: float | None = Field(0.5, ge=0.0, description="the quiet period a replica's restores need once the fleet has been calm for fleet_restore_calm_s (None: always the engine's restore_quiet_s)")
+    fleet_restore_calm_s: float = Field(1.0, ge=0.0, description="how long every replica must have been relaxed with nothing waiting before fleet_restore_quiet_s applies (longer than a lull inside a burst)")
     fleet_controller: bool = Field(True, description="false: no fleet controller; every replica runs its own policy (no fleet budget)")
     controller_name: str = Field(DEFAULT_NAME, min_length=1)
     controller_namespace: str = Field(DEFAULT_NAMESPACE, min_length=1)
@@ -114,7 +115,12 @@ class AppArgs(BaseModel):
             AutoscalingConfig.model_validate(self.autoscaling_config)  # Ray's own checks, up front
         # Build every derived config now: its validation errors surface here, named by field.
         self.engine_config()
-        self.fleet_config()
+        fleet = self.fleet_config()
+        span = fleet.policy.history_len * self.report_interval_s
+        if fleet.fleet_restore_quiet_s is not None and self.fleet_restore_calm_s >= span:
+            raise ValueError(f"fleet_restore_calm_s ({self.fleet_restore_calm_s}) must be shorter than the history the "
+                             f"controller keeps per replica (policy.history_len x report_interval_s = {span:g} s), "
+                             "or the fleet's sooner restores never apply; shorten it or raise policy.history_len")
         self.ingress_settings()
         return self
 
@@ -143,7 +149,8 @@ class AppArgs(BaseModel):
         return FleetConfig(policy=self.policy_config(), fleet_max_quantized_layers=self.fleet_max_quantized_layers,
                            scale_out_after_s=self.scale_out_after_s,
                            scale_out_reset_after_s=self.scale_out_reset_after_s, replica_timeout_s=self.replica_timeout_s,
-                           max_extra_replicas=self.max_extra_replicas, fleet_restore_quiet_s=self.fleet_restore_quiet_s)
+                           max_extra_replicas=self.max_extra_replicas, fleet_restore_quiet_s=self.fleet_restore_quiet_s,
+                           fleet_restore_calm_s=self.fleet_restore_calm_s)
 
     def request_router_config(self) -> dict[str, Any] | None:
         """The engine deployment's `request_router_config` (None: Serve's default router)."""

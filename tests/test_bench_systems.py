@@ -308,6 +308,21 @@ def test_the_fleet_report_interval_reaches_only_the_controller_systems():
         bench_config(parse_args(["--fleet", "--fleet-report-interval-s", "0"]))
 
 
+def test_the_fleet_calm_period_reaches_only_the_controller_systems():
+    from ops.bench.systems import fleet_note
+
+    names = ("fleet-serve-router", "fleet-controller-only", "fleet-pressure-router")
+    assert bench_config(parse_args(["--fleet"])).fleet_restore_calm_s is None
+    cfg = bench_config(parse_args(["--fleet", "--fleet-restore-calm-s", "0"]))
+    specs = {s.name: s for s in system_specs(names, 30, 2.0, cfg.controller_overrides())}
+    assert specs["fleet-controller-only"].app_args["fleet_restore_calm_s"] == 0.0
+    assert specs["fleet-pressure-router"].app_args["fleet_restore_calm_s"] == 0.0
+    assert "fleet_restore_calm_s" not in specs["fleet-serve-router"].app_args
+    assert "fleet_restore_calm_s=0 for them" in fleet_note(names, 36, cfg.controller_overrides())
+    with pytest.raises(BenchmarkInputError, match="fleet_restore_calm_s"):
+        bench_config(parse_args(["--fleet", "--fleet-restore-calm-s", "-1"]))
+
+
 def test_the_mean_load_is_a_command_line_setting_checked_by_the_rule():
     from ops.bench import BenchmarkInputError
     from ops.bench.run_all import bench_config, parse_args

@@ -32,8 +32,9 @@ class FakeClock:
 class FakeReplica:
     """A replica's morph state plus a load it cannot shed: `queue_delay` stays as set."""
 
-    def __init__(self, replica_id: str, kv_usage: float, queue_delay: float):
+    def __init__(self, replica_id: str, kv_usage: float, queue_delay: float, waiting: int = 2):
         self.replica_id, self.kv_usage, self.queue_delay, self.t = replica_id, kv_usage, queue_delay, 0.0
+        self.waiting = waiting
         self.state = MorphState(layer_precisions=(Precision.BF16,) * NUM_LAYERS, full_precision=Precision.BF16,
                                 swap_order=tuple(reversed(range(NUM_LAYERS))), swap_order_source="front-to-back",
                                 kv_capacity_blocks=BASE_BLOCKS, kv_max_blocks=400)
@@ -42,7 +43,7 @@ class FakeReplica:
         self.t += 0.25
         cap = self.state.kv_capacity_blocks
         return PressureSnapshot(time=self.t, step=int(self.t * 4), kv_used_blocks=round(self.kv_usage * cap),
-                                kv_capacity_blocks=cap, kv_max_blocks=400, num_running=8, num_waiting=2,
+                                kv_capacity_blocks=cap, kv_max_blocks=400, num_running=8, num_waiting=self.waiting,
                                 queue_delay_s=self.queue_delay, ttft_recent_s=0.5, tpot_recent_s=0.05,
                                 throughput_tok_s=50.0, preemptions_total=0, ledger=LEDGER)
 
@@ -76,6 +77,57 @@ def test_fleet_budget_goes_to_the_replica_under_most_pressure():
     assert status["totals"]["target_quantized_layers"] == 4 and status["totals"]["budget_left"] == 0
     assert "fleet budget grants this replica 0" in status["replicas"]["warm"]["directive"]["reason"]
     assert status["replicas"]["hot"]["directive"]["source"] == "controller"
+
+
+def set_load(replica: FakeReplica, pressed: bool) -> None:
+    """Pressed: a full cache and a queue; calm: the policy's relax band with nothing waiting."""
+    replica.kv_usage, replica.queue_delay, replica.waiting = (0.9, 0.5, 2) if pressed else (0.2, 0.0, 0)
+
+
+def quiet_periods(fleet: FleetController, replicas: list[FakeReplica]) -> dict[str, float | None]:
+    """One report round; each replica's restore_quiet_s as its directive carries it."""
+    return {r.replica_id: fleet.report(r.replica_id, r.snapshot(), r.state).restore_quiet_s for r in replicas}
+
+
+def test_the_sooner_restore_waits_until_every_replica_has_been_calm_for_the_calm_period():
+    """fleet_restore_quiet_s applies only after every replica, the restoring one included, has been relaxed
+    with nothing waiting for fleet_restore_calm_s of its own reports; one pressed report (a burst that is
+    not over) takes it back at once, and the calm period starts again."""
+    fleet = FleetController(FleetConfig(fleet_restore_quiet_s=0.5, fleet_restore_calm_s=1.0), clock=FakeClock())
+    a, b = FakeReplica("a", 0.9, 0.5), FakeReplica("b", 0.9, 0.5)
+    for _ in range(8):
+        assert quiet_periods(fleet, [a, b]) == {"a": None, "b": None}
+    set_load(b, pressed=False)  # the peer is calm, but `a` still queues: neither restores sooner
+    for _ in range(8):
+        assert quiet_periods(fleet, [a, b]) == {"a": None, "b": None}
+    set_load(a, pressed=False)
+    calm = [quiet_periods(fleet, [a, b]) for _ in range(8)]
+    # Reports every 0.25 s: the fifth calm report is the first whose last 1.0 s holds only calm ones.
+    assert calm[:4] == [{"a": None, "b": None}] * 4
+    assert calm[4:] == [{"a": 0.5, "b": 0.5}] * 4
+    set_load(b, pressed=True)  # a lull was all it was: from b's next report on, neither restores sooner
+    assert quiet_periods(fleet, [b, a]) == {"a": None, "b": None}
+    set_load(b, pressed=False)
+    after = [quiet_periods(fleet, [b, a]) for _ in range(5)]
+    assert after[:4] == [{"a": None, "b": None}] * 4 and after[4] == {"a": 0.5, "b": 0.5}
+
+
+def test_the_sooner_restore_needs_a_peer_and_a_history_as_long_as_the_calm_period():
+    """A lone replica keeps the engine's quiet period; so does a fleet whose newest replica has not
+    reported for the calm period yet; fleet_restore_quiet_s=None turns the rule off."""
+    lone = FleetController(FleetConfig(fleet_restore_calm_s=0.0), clock=FakeClock())
+    r = FakeReplica("a", 0.2, 0.0, waiting=0)
+    assert all(quiet_periods(lone, [r]) == {"a": None} for _ in range(6))
+    fleet = FleetController(FleetConfig(fleet_restore_calm_s=1.0), clock=FakeClock())
+    old = FakeReplica("old", 0.2, 0.0, waiting=0)
+    for _ in range(8):
+        quiet_periods(fleet, [old])
+    new = FakeReplica("new", 0.2, 0.0, waiting=0)
+    joined = [quiet_periods(fleet, [new, old]) for _ in range(5)]
+    assert joined[:4] == [{"old": None, "new": None}] * 4 and joined[4] == {"old": 0.5, "new": 0.5}
+    off = FleetController(FleetConfig(fleet_restore_quiet_s=None, fleet_restore_calm_s=0.0), clock=FakeClock())
+    calm = [FakeReplica(n, 0.2, 0.0, waiting=0) for n in ("a", "b")]
+    assert all(quiet_periods(off, calm) == {"a": None, "b": None} for _ in range(6))
 
 
 class SlowReplica(FakeReplica):

@@ -48,6 +48,8 @@ def test_build_app_accepts_the_shipped_configs():
     ({"engine": {"block_size": "big"}}, "block_size"),
     ({"report_interval_s": 0}, "report_interval_s"),
     ({"router_transit_s": -0.1}, "router_transit_s"),
+    ({"fleet_restore_calm_s": -1.0}, "fleet_restore_calm_s"),
+    ({"fleet_restore_calm_s": 16.0}, None),  # not shorter than 64 reports x 0.25 s: never calm long enough
 ])
 def test_bad_args_fail_before_anything_is_deployed(args, param):
     from deployments import build_app

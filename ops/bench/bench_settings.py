@@ -56,6 +56,9 @@ class BenchConfig:
     # --fleet: AppArgs.fleet_restore_quiet_s of the controller systems; None: off (a replica's restores
     # always wait the engine's restore_quiet_s)
     fleet_restore_quiet_s: float | str | None = APP_DEFAULT
+    # --fleet: AppArgs.fleet_restore_calm_s of the controller systems (how long the fleet must be calm
+    # before the sooner restores apply); None: the app's
+    fleet_restore_calm_s: float | None = None
     # --fleet: AppArgs.report_interval_s of the controller systems (how often a replica reports to the
     # controller); None: the app's
     fleet_report_interval_s: float | None = None
@@ -71,6 +74,9 @@ class BenchConfig:
         if self.fleet_report_interval_s is not None and not self.fleet_report_interval_s > 0:
             raise BenchmarkInputError(f"fleet_report_interval_s={self.fleet_report_interval_s}: give a positive "
                                       "interval in seconds or leave it to the app")
+        if self.fleet_restore_calm_s is not None and not self.fleet_restore_calm_s >= 0:
+            raise BenchmarkInputError(f"fleet_restore_calm_s={self.fleet_restore_calm_s}: give seconds >= 0 or "
+                                      "leave it to the app")
         if self.capacity_rps is not None and not self.capacity_rps > 0:
             raise BenchmarkInputError(f"capacity_rps={self.capacity_rps}: give a positive rate or leave it unset")
         for kind, scale, (low, high) in (("prompt", self.prompt_scale, self.prompt_range),
@@ -88,6 +94,8 @@ class BenchConfig:
         overrides = {}
         if self.fleet_restore_quiet_s != APP_DEFAULT:  # None is a setting too: off
             overrides["fleet_restore_quiet_s"] = self.fleet_restore_quiet_s
+        if self.fleet_restore_calm_s is not None:
+            overrides["fleet_restore_calm_s"] = self.fleet_restore_calm_s
         if self.fleet_report_interval_s is not None:
             overrides["report_interval_s"] = self.fleet_report_interval_s
         return overrides

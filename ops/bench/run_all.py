@@ -74,6 +74,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--fleet-restore-quiet-s", type=_seconds_or_off, default=None, metavar="S|off",
                     help="--fleet: the controller systems' fleet_restore_quiet_s (default: the app's); off: a "
                     "replica's restores always wait the engine's restore_quiet_s")
+    ap.add_argument("--fleet-restore-calm-s", type=float, default=None, metavar="S",
+                    help="--fleet: the controller systems' fleet_restore_calm_s, how long every replica must have "
+                    "been calm before the sooner restores apply (default: the app's)")
     ap.add_argument("--fleet-report-interval-s", type=float, default=None, metavar="S",
                     help="--fleet: the controller systems' report_interval_s, how often each replica reports to "
                     "the controller and applies its directive (default: the app's 0.25 s)")
@@ -104,6 +107,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
                                  ("capacity_rps", args.capacity_rps),
                                  ("fleet_budget_replicas", args.fleet_budget_replicas),
                                  ("fleet_report_interval_s", args.fleet_report_interval_s),
+                                 ("fleet_restore_calm_s", args.fleet_restore_calm_s),
                                  ("kv_sequences", args.kv_sequences), ("slo_ttft_s", args.slo_ttft_s)) if v is not None}
     if args.fleet_restore_quiet_s is not None:  # `off` is AppArgs' None
         changes["fleet_restore_quiet_s"] = None if args.fleet_restore_quiet_s == "off" else args.fleet_restore_quiet_s
