@@ -127,6 +127,20 @@ def test_fleet_total_sums_each_replicas_value_at_that_time():
     assert fleet_total_at({}, 1.0) == 0
 
 
+def test_layer_moves_count_morphs_restores_and_the_restores_a_replica_undoes_soon():
+    from ops.bench.metrics import LayerMoves, layer_moves
+
+    # a: morphs at 12, restores at 13 and morphs again at 14 (undone), restores at 16 and morphs only at
+    # 20 (after the burst: not undone); b: one morph at 12.5 and one restore at 30, after the window.
+    histories = {"a": [[10.0, 0], [12.0, 4], [13.0, 2], [14.0, 6], [16.0, 0], [20.0, 2]],
+                 "b": [[11.0, 0], [12.5, 6], [30.0, 0]]}
+    assert layer_moves(histories, 11.0, 25.0) == LayerMoves(morphs=4, restores=2, restores_undone=1)
+    assert layer_moves(histories, 11.0, 25.0, undone_within_s=5.0).restores_undone == 2
+    assert layer_moves(histories, 13.5, 25.0) == LayerMoves(morphs=2, restores=1, restores_undone=0)
+    assert layer_moves(histories, 0.0, 40.0).restores == 3
+    assert layer_moves({}, 0.0, 1.0) == LayerMoves(0, 0, 0)
+
+
 def test_the_fleet_goal_needs_fewer_misses_and_fewer_quantized_layer_seconds():
     from ops.bench.goals import fleet_goal
     from ops.bench.metrics import Spread

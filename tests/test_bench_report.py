@@ -136,3 +136,21 @@ def test_misses_are_split_by_the_burst_window_each_request_arrived_in(results, t
     assert "| fp | 2 | 2 |" in md and "| int4 | 0 | 0 |" in md
     assert json.loads(paths.results_json.read_text())["runs"][0]["misses_by_window"] == [2, 2]
     assert "by burst window" not in build_report(results, tmp_path / "one").report_md.read_text()  # one window: no table
+
+
+def test_a_fleets_layer_moves_are_tabled_and_kept_per_run(results, tmp_path):
+    from ops.bench.metrics import LayerMoves
+
+    churn = SystemRun(system="fleet", repeat=0, records=results.runs_of("fp")[0].records,
+                      layer_moves=LayerMoves(morphs=6, restores=5, restores_undone=3))
+    calm = SystemRun(system="fleet", repeat=1, records=results.runs_of("fp")[0].records,
+                     layer_moves=LayerMoves(morphs=2, restores=2, restores_undone=1))
+    with_fleet = BenchResults(results.settings, (*results.runs, churn, calm))
+    table = summarize(with_fleet)
+    assert table["fleet"]["layer_moves.restores_undone"].median == pytest.approx(2)
+    assert table["fp"]["layer_moves.restores"].n == 0
+    paths = build_report(with_fleet, tmp_path / "out")
+    assert "| fleet | 4 [2–6] | 4 [2–5] | 2 [1–3] |" in paths.report_md.read_text()
+    runs = json.loads(paths.results_json.read_text())["runs"]
+    assert runs[-2]["layer_moves"] == {"morphs": 6, "restores": 5, "restores_undone": 3}
+    assert runs[0]["layer_moves"] is None

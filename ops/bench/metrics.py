@@ -161,6 +161,42 @@ def fleet_total_at(histories: Mapping[str, Sequence[Sequence[float]]], t: float)
     return total
 
 
+# A restore the same replica undoes (morphs again) within this long came in a lull of a burst, not
+# after it: the engine's own restore hysteresis (EngineConfig.restore_quiet_s) is 2 s, and the bench's
+# bursts are at least 4 s apart.
+RESTORE_UNDONE_WITHIN_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMoves:
+    """How often a fleet's replicas changed their quantized layers during a replay, from each replica's
+    history of changes (deployments/morph_loop.py records the count at each report, so a restore and a
+    morph within one report interval cancel out unseen)."""
+    morphs: int  # changes to more quantized layers
+    restores: int  # changes to fewer
+    restores_undone: int  # restores the same replica followed with a morph within RESTORE_UNDONE_WITHIN_S
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def layer_moves(histories: Mapping[str, Sequence[Sequence[float]]], start: float, end: float,
+                undone_within_s: float = RESTORE_UNDONE_WITHIN_S) -> LayerMoves:
+    """The changes with a time in [start, end] over every replica's history [(time, layers), ...]."""
+    morphs = restores = undone = 0
+    for history in histories.values():
+        changes = []  # (time, +1 morph / -1 restore)
+        points = sorted((float(t), int(n)) for t, n in history)
+        for (_, before), (at, after) in zip(points, points[1:]):
+            if start <= at <= end and after != before:
+                changes.append((at, 1 if after > before else -1))
+        morphs += sum(1 for _, d in changes if d > 0)
+        restores += sum(1 for _, d in changes if d < 0)
+        undone += sum(1 for (t0, d0), (t1, d1) in zip(changes, changes[1:])
+                      if d0 < 0 and d1 > 0 and t1 - t0 <= undone_within_s)
+    return LayerMoves(morphs, restores, undone)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spread:
     """One metric over repeats: median with the min-max range (n = repeats that had a value)."""

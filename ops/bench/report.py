@@ -16,7 +16,8 @@ from typing import Mapping, Sequence
 
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import RequestRecord, ServerSample
-from ops.bench.metrics import RunMetrics, Spread, aggregate, compute_run_metrics, misses_by_window, spread
+from ops.bench.metrics import (RESTORE_UNDONE_WITHIN_S, LayerMoves, RunMetrics, Spread, aggregate, compute_run_metrics,
+                               misses_by_window, spread)
 from ops.bench.process_cpu import CPU_ROLES
 from ops.bench.reaction import ReactionSummary
 from ops.quality.rouge import agreement, quality_loss_reduction
@@ -46,6 +47,7 @@ class SystemRun:
     # did not fit in KV: morphing relieves it) or "compute" (it would fit; the step's token budget holds it)
     waiting_rounds: Mapping[str, int] = dataclasses.field(default_factory=dict)
     cpu_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)  # role -> CPU s during the replay (process_cpu.py)
+    layer_moves: LayerMoves | None = None  # a fleet's morphs and restores during the replay (metrics.layer_moves)
 
     @property
     def busiest_share(self) -> float | None:
@@ -135,6 +137,8 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row["busiest_replica_share"] = spread(r.busiest_share for r in runs)
         row["waiting_rounds"] = spread(sum(r.waiting_rounds.values()) if r.waiting_rounds else None for r in runs)
         row["memory_wait_share"] = spread(r.memory_wait_share for r in runs)
+        for key in ("morphs", "restores", "restores_undone"):
+            row[f"layer_moves.{key}"] = spread(getattr(r.layer_moves, key) if r.layer_moves else None for r in runs)
         by_window = [misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s) for r in runs]
         for k in range(len(s.window_starts_s)):
             row[f"slo_violations.w{k + 1}"] = spread(misses[k] for misses in by_window)
@@ -205,6 +209,9 @@ _TABLES = (
       ("quantized layer-seconds", "quantized_layer_s"),
       ("busiest replica's share of requests", "busiest_replica_share"),
       ("report rounds with a queue", "waiting_rounds"), ("of those, waiting for memory", "memory_wait_share"))),
+    ("Layer moves of a fleet (each replica's quantized-layer changes during the replay, at report granularity)",
+     (("morphs", "layer_moves.morphs"), ("restores", "layer_moves.restores"),
+      (f"restores undone within {RESTORE_UNDONE_WITHIN_S:g} s (in a lull of a burst)", "layer_moves.restores_undone"))),
     ("CPU seconds during the replay, by process (every second outside the engines is taken from them on a small machine)",
      tuple((role, f"cpu_s.{role}") for role in CPU_ROLES)),
     ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
@@ -263,7 +270,8 @@ def _window_table(starts: Sequence[float], table: dict[str, dict[str, Spread]]) 
 def _cell(row: dict[str, Spread], key: str, total: Spread) -> str:
     if key == "num_ok":
         return f"{row[key].format(digits=0)} / {total.format(digits=0)}"
-    return row[key].format(digits=0 if key in ("preemptions", "waiting_rounds") else 3)
+    counts = key in ("preemptions", "waiting_rounds") or key.startswith("layer_moves.")
+    return row[key].format(digits=0 if counts else 3)
 
 
 _FLAGS = re.compile(r"^(avx2|avx512\w*|amx\w*|fma|f16c)$")
@@ -310,6 +318,7 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
                   "waiting_rounds": dict(r.waiting_rounds),
                   "misses_by_window": list(misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s)),
                   "cpu_seconds": dict(r.cpu_seconds),
+                  "layer_moves": r.layer_moves.as_dict() if r.layer_moves else None,
                   "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
                   "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],
                   "requests": [dataclasses.asdict(x) for x in r.records]} for r in results.runs],

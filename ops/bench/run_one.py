@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from ops.bench.loadgen import LoadGenConfig, LoadRequest, ServerSample, replay
-from ops.bench.metrics import fleet_total_at
+from ops.bench.metrics import LayerMoves, fleet_total_at, layer_moves
 from ops.bench.process_cpu import CpuAccount
 from ops.bench.report import SystemRun
 from ops.bench.server_process import ServerProcess, ServerStartError, free_port, http_get, http_post_json
@@ -84,7 +84,8 @@ def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], c
     _log(f"  {spec.name} r{repeat}: {ok}/{len(result.records)} ok in {result.duration_s:.0f} s; "
          f"total {time.monotonic() - started:.0f} s")
     return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples),
-                     generate_calls=replicas.generate_calls, waiting_rounds=replicas.waiting_rounds, cpu_seconds=cpu)
+                     generate_calls=replicas.generate_calls, waiting_rounds=replicas.waiting_rounds, cpu_seconds=cpu,
+                     layer_moves=replicas.layer_moves)
 
 
 def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_path: Path) -> tuple[list[str], dict]:
@@ -193,6 +194,7 @@ class ReplicaTotals:
     """Counts each engine replica keeps over its life, read after the replay from every replica."""
     generate_calls: tuple[int, ...] = ()  # per replica, the replay's (how the router spread the load)
     waiting_rounds: Mapping[str, int] = dataclasses.field(default_factory=dict)  # cause -> rounds, all replicas
+    layer_moves: LayerMoves | None = None  # a fleet's morphs and restores during the replay (None: one replica)
 
 
 class _AdminSampler:
@@ -212,6 +214,7 @@ class _AdminSampler:
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._wall_minus_perf = time.time() - time.perf_counter()
+        self._moves: LayerMoves | None = None  # set by stop(): the replay's morphs and restores
 
     def start(self, t0: float) -> None:
         self._t0 = t0
@@ -250,7 +253,7 @@ class _AdminSampler:
                 waits[cause] = waits.get(cause, 0) + int(n)
         warm = warm_up_calls or {}
         calls = tuple(n - warm.get(rid, 0) for rid, n in sorted(self.generate_calls.items()))
-        return ReplicaTotals(calls, waits)
+        return ReplicaTotals(calls, waits, self._moves)
 
     def stop(self, final_polls: int = 40) -> list[ServerSample]:
         self._stop.set()
@@ -271,6 +274,8 @@ class _AdminSampler:
             _log(f"    generate calls per replica (warm-ups included): {dict(sorted(self.generate_calls.items()))}")
         offset = self._t0 + self._wall_minus_perf  # sampler time t_s -> wall clock
         samples = list(self.samples)[:during_run]
+        if samples:
+            self._moves = layer_moves(self.histories, offset, samples[-1].t_s + offset)
         return [dataclasses.replace(s, values={**s.values, "quantized_layers": float(fleet_total_at(self.histories, s.t_s + offset)),
                                                "replicas_seen": float(len(self.histories))})
                 for s in samples]
