@@ -15,7 +15,7 @@ It keeps each replica's recent snapshots, runs the same pure policy for it, and 
     `fleet_restore_quiet_s` of quiet instead of the engine's `restore_quiet_s` (the others have room
     for what it gives back), so layers come back sooner after a burst. Over means every replica, this
     one included, has absorbed load (relaxed, nothing waiting) for `fleet_restore_calm_s` on its own
-    snapshot clock: a lull inside a burst is shorter, and a restore there is undone at the next
+    snapshot clock: a lull inside a burst is shorter, and a restore there can be undone at the next
     arrival, both moves stalling a replica that is short of compute.
 
 The actor holds no durable state on purpose. Ray restarts it after a crash (max_restarts=-1) with
@@ -179,9 +179,9 @@ class FleetController:
         period) when it has no peer or any replica, itself included, has been pressed since.
 
         Why the calm period, and why this replica too: with only the peers' last report relaxed, a
-        0.5-s lull inside a burst was enough; the replica restored with requests due any moment and
-        morphed again at the next admission, moving KV blocks both times (fleet benchmark, wave 25:
-        long prompts, more first-burst misses in 13 of 16 pairs, gone with this rule off)."""
+        0.5-s lull inside a burst was enough; the replica could restore with requests due any moment
+        and morph again at the next admission, moving KV blocks both times (fleet benchmark, wave 25:
+        long prompts, more first-burst misses in 13 of 16 pairs, gone with the sooner restores off)."""
         quiet = self._config.fleet_restore_quiet_s
         if quiet is None or len(self._replicas) < 2:
             return None
