@@ -292,35 +292,26 @@ def test_the_fleet_restore_quiet_period_reaches_only_the_controller_systems():
             parse_args(["--fleet-restore-quiet-s", bad])
 
 
-def test_the_fleet_report_interval_reaches_only_the_controller_systems():
+@pytest.mark.parametrize("flag, setting, key, given, bad", [
+    ("--fleet-report-interval-s", "fleet_report_interval_s", "report_interval_s", 1.0, "0"),
+    ("--fleet-restore-calm-s", "fleet_restore_calm_s", "fleet_restore_calm_s", 0.0, "-1"),
+])
+def test_a_controller_setting_reaches_only_the_controller_systems(flag, setting, key, given, bad):
+    """--fleet-report-interval-s and --fleet-restore-calm-s set an AppArgs field of the systems that run
+    the controller; the baseline keeps the app's; unset, no system gets it; bad values are refused."""
     from ops.bench.systems import fleet_note
 
     names = ("fleet-serve-router", "fleet-controller-only", "fleet-pressure-router")
-    assert bench_config(parse_args(["--fleet"])).fleet_report_interval_s is None
-    cfg = bench_config(parse_args(["--fleet", "--fleet-report-interval-s", "1"]))
+    assert getattr(bench_config(parse_args(["--fleet"])), setting) is None
+    cfg = bench_config(parse_args(["--fleet", flag, f"{given:g}"]))
     specs = {s.name: s for s in system_specs(names, 30, 2.0, cfg.controller_overrides())}
-    assert specs["fleet-controller-only"].app_args["report_interval_s"] == 1.0
-    assert specs["fleet-pressure-router"].app_args["report_interval_s"] == 1.0
-    assert "report_interval_s" not in specs["fleet-serve-router"].app_args  # the baseline keeps the app's
-    assert "report_interval_s=1 for them" in fleet_note(names, 36, {"report_interval_s": 1.0})
-    assert all("report_interval_s" not in s.app_args for s in system_specs(names, 30, 2.0))
-    with pytest.raises(BenchmarkInputError, match="fleet_report_interval_s"):
-        bench_config(parse_args(["--fleet", "--fleet-report-interval-s", "0"]))
-
-
-def test_the_fleet_calm_period_reaches_only_the_controller_systems():
-    from ops.bench.systems import fleet_note
-
-    names = ("fleet-serve-router", "fleet-controller-only", "fleet-pressure-router")
-    assert bench_config(parse_args(["--fleet"])).fleet_restore_calm_s is None
-    cfg = bench_config(parse_args(["--fleet", "--fleet-restore-calm-s", "0"]))
-    specs = {s.name: s for s in system_specs(names, 30, 2.0, cfg.controller_overrides())}
-    assert specs["fleet-controller-only"].app_args["fleet_restore_calm_s"] == 0.0
-    assert specs["fleet-pressure-router"].app_args["fleet_restore_calm_s"] == 0.0
-    assert "fleet_restore_calm_s" not in specs["fleet-serve-router"].app_args
-    assert "fleet_restore_calm_s=0 for them" in fleet_note(names, 36, cfg.controller_overrides())
-    with pytest.raises(BenchmarkInputError, match="fleet_restore_calm_s"):
-        bench_config(parse_args(["--fleet", "--fleet-restore-calm-s", "-1"]))
+    assert specs["fleet-controller-only"].app_args[key] == given
+    assert specs["fleet-pressure-router"].app_args[key] == given
+    assert key not in specs["fleet-serve-router"].app_args
+    assert f"{key}={given:g} for them" in fleet_note(names, 36, cfg.controller_overrides())
+    assert all(key not in s.app_args for s in system_specs(names, 30, 2.0))
+    with pytest.raises(BenchmarkInputError, match=setting):
+        bench_config(parse_args(["--fleet", flag, bad]))
 
 
 def test_the_mean_load_is_a_command_line_setting_checked_by_the_rule():
