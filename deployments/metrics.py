@@ -11,6 +11,7 @@ import dataclasses
 import time
 from typing import Any, Protocol
 
+from deployments.directive_wait import BOUNDS_S as DIRECTIVE_WAIT_BOUNDS_S
 from engine.morph.actions import ActionResult, MorphState
 from engine.pressure import PressureSnapshot
 
@@ -176,6 +177,9 @@ class ServeMetrics:
         self.kv_capacity = b.gauge(PREFIX + "kv_cache_capacity_blocks", "Committed KV blocks", m)
         self.quantized = b.gauge(PREFIX + "quantized_layers", "Layers held at a lower precision", m + ("precision",))
         self.reachable = b.gauge(PREFIX + "controller_reachable", "1 when the fleet controller answers", m)
+        self.directive_wait = b.histogram(PREFIX + "directive_wait_seconds",
+                                          "Wait of a morph-loop round for its directive (the controller's round trip, "
+                                          "or the local policy)", list(DIRECTIVE_WAIT_BOUNDS_S), m + ("source",))
         self.memory = b.gauge(PREFIX + "memory_bytes", "Ledger bytes by owner", m + ("kind",))
         self.preemptions = b.counter(PREFIX + "num_preemptions", "Requests preempted (recompute)", m)
         self.prompt_tokens = b.counter(PREFIX + "prompt_tokens", "Prompt tokens processed", m)
@@ -251,6 +255,9 @@ class ServeMetrics:
             grow = result.kv_blocks_delta > 0
             self.actions.inc(1, self._t(kind="kv_grow" if grow else "kv_shrink"))
             self.resize_latency.observe(result.resize_seconds, self._t(direction="grow" if grow else "shrink"))
+
+    def observe_directive_wait(self, seconds: float, source: str) -> None:
+        self.directive_wait.observe(seconds, self._t(source=source))
 
     def set_controller_reachable(self, reachable: bool) -> None:
         self.reachable.set(1.0 if reachable else 0.0, self._t())

@@ -26,6 +26,7 @@ from typing import Any
 
 from controller.client import ControllerClient
 from controller.directive import Directive
+from deployments.directive_wait import DirectiveWait
 from deployments.engine_client import AdminUpdate
 from deployments.metrics import ServeMetrics
 from engine.errors import InvalidRequestError
@@ -108,6 +109,7 @@ class MorphLoop:
         # which morphing relieves, or compute, which it cannot): every replica's own count, so a benchmark
         # sees the fleet's whole queue, not the replica its admin poll happened to reach.
         self.waiting_rounds: dict[str, int] = {}
+        self.directive_wait = DirectiveWait()  # how long each round waited for its directive
         self._task: asyncio.Task | None = None
         self._cursor = 0  # position in the engine's morph log already counted
         self._rejected: SetQuantizedTarget | None = None
@@ -166,7 +168,11 @@ class MorphLoop:
         self._count_engine_results()
         self.metrics.set_pressure(snapshot)
         self.metrics.set_morph_state(state)
+        asked = time.monotonic()
         directive = await self.client.report(snapshot, state)
+        waited = time.monotonic() - asked
+        self.directive_wait.observe(waited)
+        self.metrics.observe_directive_wait(waited, directive.source)
         self.metrics.set_controller_reachable(self.client.reachable)
         self.metrics.burst.set(snapshot, directive)
         await self._assert_mode(directive)
@@ -270,6 +276,7 @@ class MorphLoop:
             "quantized_history": [[round(t, 3), n] for t, n in self.quantized_history],
             "action_results": dict(self.action_counts),
             "waiting_rounds": dict(self.waiting_rounds),
+            "directive_wait": self.directive_wait.as_dict(),
             "integrity": {"checks": self.integrity_checks, "failures": self.integrity_failures,
                           "last_error": self.last_integrity_error},
         }

@@ -154,3 +154,22 @@ def test_a_fleets_layer_moves_are_tabled_and_kept_per_run(results, tmp_path):
     runs = json.loads(paths.results_json.read_text())["runs"]
     assert runs[-2]["layer_moves"] == {"morphs": 6, "restores": 5, "restores_undone": 3}
     assert runs[0]["layer_moves"] is None
+
+
+def test_the_directive_waits_of_a_run_are_tabled_and_kept_per_run(results, tmp_path):
+    from deployments.directive_wait import DirectiveWait
+
+    slow, fast = DirectiveWait(), DirectiveWait()
+    for s in (0.0001, 0.0001, 0.2, 0.2):
+        slow.observe(s)
+    fast.observe(0.0001)
+    runs = [SystemRun(system="fleet", repeat=i, records=results.runs_of("fp")[0].records, directive_wait=w.as_dict())
+            for i, w in enumerate((slow, fast))]
+    with_fleet = BenchResults(results.settings, (*results.runs, *runs))
+    table = summarize(with_fleet)
+    assert table["fleet"]["directive_wait.over_100ms_share"].max == pytest.approx(0.5)
+    assert table["fleet"]["directive_wait.p95_s"].max == 0.25
+    assert table["fp"]["directive_wait.mean_s"].n == 0
+    paths = build_report(with_fleet, tmp_path / "out")
+    assert "a round's wait for its directive, mean (s)" in paths.report_md.read_text()
+    assert json.loads(paths.results_json.read_text())["runs"][-2]["directive_wait"]["counts"] == slow.as_dict()["counts"]

@@ -34,6 +34,28 @@ def test_a_replica_without_the_counts_adds_nothing(monkeypatch):
     assert sampler.totals() == run_one.ReplicaTotals()
 
 
+def test_each_replicas_directive_waits_count_from_its_first_reading_in_the_replay(monkeypatch):
+    from deployments.directive_wait import DirectiveWait
+
+    waits = {rid: DirectiveWait() for rid in "ab"}
+    waits["a"].observe(0.3)  # before the replay's first poll: not the replay's
+
+    def answer(url, headers, timeout_s):
+        rid = next(turns)
+        waits[rid].observe(0.002 if rid == "a" else 0.04)
+        return 200, json.dumps({"replica_id": rid, "queue": {}, "morph_state": {"num_quantized": 0},
+                                "directive_wait": waits[rid].as_dict()})
+
+    turns = iter("abab")
+    monkeypatch.setattr(run_one, "http_get", answer)
+    sampler = run_one._AdminSampler("http://127.0.0.1:1/admin/morph", "token", 0.25, replicas=2)
+    for _ in range(4):
+        sampler._poll(0.0)
+    merged = sampler.totals().directive_wait
+    assert sum(merged["counts"]) == 2  # one round each between its two readings
+    assert merged["sum_s"] == pytest.approx(0.042)
+
+
 class FakeFleet:
     """Replicas that come up one by one (after so many admin polls); Serve's router sends each call to
     one of the replicas up, in turn."""

@@ -207,6 +207,19 @@ def test_rounds_at_which_requests_waited_are_counted_by_what_they_waited_for():
     assert metrics.burst.queue_waits.value(model_name="fake", cause="compute") == 2
 
 
+def test_every_rounds_wait_for_its_directive_is_counted_by_who_decided():
+    engine, controller = FakeEngine(), FakeController(target=0)
+    answering, _ = make_loop(engine, lambda: controller)
+    local, metrics = make_loop(FakeEngine(), unreachable)
+    for _ in range(3):
+        asyncio.run(answering.run_once())
+    asyncio.run(local.run_once())
+    assert sum(answering.status()["directive_wait"]["counts"]) == 3  # the admin status, for a benchmark
+    assert sum(local.status()["directive_wait"]["counts"]) == 1
+    assert metrics.directive_wait.count(model_name="fake", source="local") == 1  # the same, for Prometheus
+    assert metrics.directive_wait.count(model_name="fake", source="controller") == 0
+
+
 def test_operator_pins_override_the_directive():
     engine, controller = FakeEngine(), FakeController(target=2)
     modes = controller.modes_set  # what reached the controller's set_mode, through the client

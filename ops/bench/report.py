@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from deployments import directive_wait
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import RequestRecord, ServerSample
 from ops.bench.metrics import (RESTORE_UNDONE_WITHIN_S, LayerMoves, RunMetrics, Spread, aggregate, compute_run_metrics,
@@ -48,6 +49,8 @@ class SystemRun:
     waiting_rounds: Mapping[str, int] = dataclasses.field(default_factory=dict)
     cpu_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)  # role -> CPU s during the replay (process_cpu.py)
     layer_moves: LayerMoves | None = None  # a fleet's morphs and restores during the replay (metrics.layer_moves)
+    # Every replica's morph-loop waits for a directive during the replay, merged (deployments/directive_wait.py)
+    directive_wait: Mapping | None = None
 
     @property
     def busiest_share(self) -> float | None:
@@ -137,6 +140,9 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
         row["busiest_replica_share"] = spread(r.busiest_share for r in runs)
         row["waiting_rounds"] = spread(sum(r.waiting_rounds.values()) if r.waiting_rounds else None for r in runs)
         row["memory_wait_share"] = spread(r.memory_wait_share for r in runs)
+        waits = [directive_wait.summary(r.directive_wait) for r in runs]
+        for key in ("mean_s", "p95_s", "over_100ms_share"):
+            row[f"directive_wait.{key}"] = spread(w[key] if w else None for w in waits)
         for key in ("morphs", "restores", "restores_undone"):
             row[f"layer_moves.{key}"] = spread(getattr(r.layer_moves, key) if r.layer_moves else None for r in runs)
         by_window = [misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s) for r in runs]
@@ -208,7 +214,10 @@ _TABLES = (
       ("engine-reported head wait median (s)", "engine_blocked_median_s"),
       ("quantized layer-seconds", "quantized_layer_s"),
       ("busiest replica's share of requests", "busiest_replica_share"),
-      ("report rounds with a queue", "waiting_rounds"), ("of those, waiting for memory", "memory_wait_share"))),
+      ("report rounds with a queue", "waiting_rounds"), ("of those, waiting for memory", "memory_wait_share"),
+      ("a round's wait for its directive, mean (s)", "directive_wait.mean_s"),
+      ("... P95 (s, bucket bound)", "directive_wait.p95_s"),
+      ("... share of rounds over 0.1 s", "directive_wait.over_100ms_share"))),
     ("Layer moves of a fleet (each replica's quantized-layer changes during the replay, at report granularity)",
      (("morphs", "layer_moves.morphs"), ("restores", "layer_moves.restores"),
       (f"restores undone within {RESTORE_UNDONE_WITHIN_S:g} s (in a lull of a burst)", "layer_moves.restores_undone"))),
@@ -319,6 +328,7 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
                   "misses_by_window": list(misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s)),
                   "cpu_seconds": dict(r.cpu_seconds),
                   "layer_moves": r.layer_moves.as_dict() if r.layer_moves else None,
+                  "directive_wait": dict(r.directive_wait) if r.directive_wait else None,
                   "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
                   "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],
                   "requests": [dataclasses.asdict(x) for x in r.records]} for r in results.runs],

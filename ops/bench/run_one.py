@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
+from deployments import directive_wait
 from ops.bench.loadgen import LoadGenConfig, LoadRequest, ServerSample, replay
 from ops.bench.metrics import LayerMoves, fleet_total_at, layer_moves
 from ops.bench.process_cpu import CpuAccount
@@ -85,7 +86,7 @@ def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], c
          f"total {time.monotonic() - started:.0f} s")
     return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples),
                      generate_calls=replicas.generate_calls, waiting_rounds=replicas.waiting_rounds, cpu_seconds=cpu,
-                     layer_moves=replicas.layer_moves)
+                     layer_moves=replicas.layer_moves, directive_wait=replicas.directive_wait)
 
 
 def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_path: Path) -> tuple[list[str], dict]:
@@ -195,6 +196,9 @@ class ReplicaTotals:
     generate_calls: tuple[int, ...] = ()  # per replica, the replay's (how the router spread the load)
     waiting_rounds: Mapping[str, int] = dataclasses.field(default_factory=dict)  # cause -> rounds, all replicas
     layer_moves: LayerMoves | None = None  # a fleet's morphs and restores during the replay (None: one replica)
+    # Every replica's morph-loop waits for a directive (deployments/directive_wait.py), merged, from each
+    # one's first reading in the replay to its last; None when the engines do not report them.
+    directive_wait: Mapping | None = None
 
 
 class _AdminSampler:
@@ -210,6 +214,8 @@ class _AdminSampler:
         self.histories: dict[str, list] = {}  # replica id -> its latest quantized_history
         self.generate_calls: dict[str, int] = {}  # replica id -> generate calls it received (how load spread)
         self.waiting_rounds: dict[str, dict[str, int]] = {}  # replica id -> its MorphLoop.waiting_rounds
+        # replica id -> (first, latest) reading of its directive waits during the replay
+        self.directive_waits: dict[str, tuple[dict, dict]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -236,6 +242,10 @@ class _AdminSampler:
                     self.generate_calls[counted[0]] = counted[1]
                 if isinstance(parsed.get("waiting_rounds"), dict):
                     self.waiting_rounds[str(parsed.get("replica_id"))] = parsed["waiting_rounds"]
+                if isinstance(parsed.get("directive_wait"), dict):
+                    rid = str(parsed.get("replica_id"))
+                    first = self.directive_waits.get(rid, (parsed["directive_wait"],))[0]
+                    self.directive_waits[rid] = (first, parsed["directive_wait"])
         except (OSError, ValueError):
             pass  # a missed sample is a gap in the plot, not a failed run
 
@@ -253,7 +263,8 @@ class _AdminSampler:
                 waits[cause] = waits.get(cause, 0) + int(n)
         warm = warm_up_calls or {}
         calls = tuple(n - warm.get(rid, 0) for rid, n in sorted(self.generate_calls.items()))
-        return ReplicaTotals(calls, waits, self._moves)
+        waited = [directive_wait.since(first, last) for first, last in self.directive_waits.values()]
+        return ReplicaTotals(calls, waits, self._moves, directive_wait.merged(waited))
 
     def stop(self, final_polls: int = 40) -> list[ServerSample]:
         self._stop.set()

@@ -52,6 +52,12 @@ def fleet_control_row() -> Row:
             description="Generate calls the pressure-aware router sent to each engine replica: even lines "
             "mean the load is spread; one line far above the others means it concentrates load.",
             unit="ops", stacked=True, width=8),
+        latency_panel("Directive wait per replica (its report's round trip to the controller)",
+                      "ray_morphserve_directive_wait_seconds", "replica", percentiles=(0.5, 0.95, 0.99),
+                      description="How long a replica's morph-loop round waits for its directive before it can "
+                      "act: the controller actor's round trip (source=controller), the local policy's decision "
+                      "(source=local). Near controller_timeout_s means the controller is too slow to answer and "
+                      "replicas fall back to their local policy. An estimate from the histogram's buckets."),
     ))
 
 
