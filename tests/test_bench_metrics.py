@@ -155,6 +155,20 @@ def test_the_fleet_goal_needs_fewer_misses_and_fewer_quantized_layer_seconds():
     assert fleet_goal({FLEET_BASELINE: row(10, 50.0)}).endswith("n/a (missing runs)")
 
 
+def test_the_default_fleet_is_judged_by_the_same_goal_after_the_issues_pair():
+    from ops.bench.goals import goal_lines
+    from ops.bench.metrics import Spread
+    from ops.bench.systems import FLEET_BASELINE, FLEET_CONTROLLER_ONLY, FLEET_PRESSURE
+
+    def row(misses, qls):
+        return {"slo_violations": Spread(misses, misses, misses, 1), "quantized_layer_s": Spread(qls, qls, qls, 1)}
+
+    lines = goal_lines({FLEET_BASELINE: row(10, 50.0), FLEET_CONTROLLER_ONLY: row(8, 40.0)})
+    assert lines[0].startswith(f"goal {FLEET_PRESSURE} vs") and lines[0].endswith("n/a (missing runs)")
+    assert lines[1].startswith(f"goal {FLEET_CONTROLLER_ONLY} vs {FLEET_BASELINE}") and lines[1].endswith("-> REACHED")
+    assert len(goal_lines({FLEET_BASELINE: row(10, 50.0)})) == 1  # no controller system ran: the issue's line only
+
+
 def test_the_fleet_goal_repeat_by_repeat_counts_pairs_and_tests_their_signs():
     from ops.bench.goals import FleetPair, fleet_pairs_line, sign_test_p
 
@@ -164,5 +178,27 @@ def test_the_fleet_goal_repeat_by_repeat_counts_pairs_and_tests_their_signs():
     pairs = [FleetPair((17, 1), (180.0, 110.0)), FleetPair((10, 12), (142.0, 132.0)), FleetPair((0, 0), (130.0, 96.0)),
              FleetPair((4, 10), (154.0, None))]
     line = fleet_pairs_line(pairs)
+    assert line.startswith("fleet-pressure-router vs fleet-serve-router, paired by repeat")
     assert "(4 pairs): SLO misses fewer in 1, more in 2, equal in 1 (two-sided sign test p = 1)" in line
+    assert fleet_pairs_line(pairs, "fleet-controller-only").startswith("fleet-controller-only vs")
     assert "quantized layer-seconds fewer in 3 of 3 (p = 0.25)" in line
+
+
+def test_a_run_pairs_each_controller_system_with_the_baseline_repeat_by_repeat():
+    from ops.bench.loadgen import RequestRecord
+    from ops.bench.report import BenchResults, BenchSettings, SystemRun
+    from ops.bench.run_all import _fleet_pairs_lines
+    from ops.bench.systems import FLEET_BASELINE, FLEET_CONTROLLER_ONLY
+
+    def run(system, repeat, ttft, layer_s):
+        record = RequestRecord(request_id="r", scheduled_s=0.0, sent_s=0.0, first_token_s=ttft, token_times_s=(ttft,),
+                               end_s=ttft, status=200, output_text="x", output_tokens=1, prompt_tokens=1, error=None)
+        return SystemRun(system=system, repeat=repeat, records=(record,), quantized_layer_s=layer_s)
+
+    settings = BenchSettings(title="t", model="m", memory_budget="1 GiB", workload="w", slo_ttft_s=1.0,
+                             full_precision_system=FLEET_BASELINE, static_int4_system=None)
+    runs = (run(FLEET_BASELINE, 0, 3.0, 50.0), run(FLEET_CONTROLLER_ONLY, 0, 0.5, 40.0),
+            run(FLEET_BASELINE, 1, 0.5, 50.0), run(FLEET_CONTROLLER_ONLY, 1, 0.5, 60.0))
+    lines = _fleet_pairs_lines(BenchResults(settings, runs))
+    assert len(lines) == 1 and lines[0].startswith(f"{FLEET_CONTROLLER_ONLY} vs {FLEET_BASELINE}, paired by repeat (2 pairs)")
+    assert "SLO misses fewer in 1, more in 0, equal in 1" in lines[0] and "layer-seconds fewer in 1 of 2" in lines[0]

@@ -36,7 +36,7 @@ from ops.bench.report import (BenchResults, BenchSettings, SystemRun, build_repo
                               summarize)
 from ops.bench.run_one import REPO, RunContext, run_system
 from ops.bench.server_process import ServerStartError
-from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_BASELINE, FLEET_PRESSURE, FLEET_REPLICAS, FLEET_SYSTEMS,
+from ops.bench.systems import (ALL_SYSTEMS, BUDGETED, FLEET_BASELINE, FLEET_REPLICAS, FLEET_SYSTEMS,
                                QUICK_SYSTEMS, STATIC_FP, STATIC_INT4, ModelFacts, fleet_note, fleet_systems,
                                interleaved_schedule, plan_budget, system_specs, vllm_block_size, vllm_kv_tokens)
 from ops.bench.traces import load_trace
@@ -287,16 +287,20 @@ def _write(out: Path, runs, failures, info: _ReportInfo):
 
 
 def _fleet_pairs_lines(results: BenchResults) -> list[str]:
-    """goals.fleet_pairs_line over the repeats both fleet systems completed; none without both."""
+    """goals.fleet_pairs_line for each fleet system with the controller, over the repeats it and the
+    baseline both completed; none for a system without such a repeat."""
     from ops.bench.goals import FleetPair, fleet_pairs_line
 
     slo = results.settings.slo_ttft_s
     base = {r.repeat: r for r in results.runs_of(FLEET_BASELINE)}
-    fleet = {r.repeat: r for r in results.runs_of(FLEET_PRESSURE)}
-    pairs = [FleetPair((run_metrics(base[i], slo).slo_violations, run_metrics(fleet[i], slo).slo_violations),
-                       (base[i].quantized_layer_s, fleet[i].quantized_layer_s))
-             for i in sorted(base.keys() & fleet.keys())]
-    return [fleet_pairs_line(pairs)] if pairs else []
+    lines = []
+    for system in BUDGETED:
+        fleet = {r.repeat: r for r in results.runs_of(system)}
+        pairs = [FleetPair((run_metrics(base[i], slo).slo_violations, run_metrics(fleet[i], slo).slo_violations),
+                           (base[i].quantized_layer_s, fleet[i].quantized_layer_s))
+                 for i in sorted(base.keys() & fleet.keys())]
+        lines += [fleet_pairs_line(pairs, system)] if pairs else []
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)
