@@ -54,6 +54,9 @@ def test_each_replicas_directive_waits_count_from_its_first_reading_in_the_repla
     merged = sampler.totals().directive_wait
     assert sum(merged["counts"]) == 2  # one round each between its two readings
     assert merged["sum_s"] == pytest.approx(0.042)
+    restarted = DirectiveWait()  # a replica restarted during the replay: its counts start again
+    sampler.directive_waits["a"] = (sampler.directive_waits["a"][1], restarted.as_dict())
+    assert sum(sampler.totals().directive_wait["counts"]) == 1  # b's round only; the run is not failed
 
 
 class FakeFleet:
