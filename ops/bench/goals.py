@@ -86,8 +86,8 @@ def fleet_pairs_line(pairs: Sequence[FleetPair], system: str = FLEET_PRESSURE) -
     more = sum(fleet > base for base, fleet in (p.misses for p in pairs))
     scored = [p.layer_s for p in pairs if None not in p.layer_s]
     fewer_ls = sum(fleet < base for base, fleet in scored)
-    return (f"{system} vs {FLEET_BASELINE}, paired by repeat ({len(pairs)} pairs): SLO misses fewer in {fewer}, more in {more}, equal in "
-            f"{len(pairs) - fewer - more} (two-sided sign test p = {sign_test_p(fewer, more):.2g}); quantized "
+    return (f"{system} vs {FLEET_BASELINE}, paired by repeat ({len(pairs)} pairs): SLO misses fewer in {fewer}, "
+            f"more in {more}, equal in {len(pairs) - fewer - more} (two-sided sign test p = {sign_test_p(fewer, more):.2g}); quantized "
             f"layer-seconds fewer in {fewer_ls} of {len(scored)} "
             f"(p = {sign_test_p(fewer_ls, len(scored) - fewer_ls):.2g})")
 
