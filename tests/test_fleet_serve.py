@@ -30,6 +30,10 @@ COMMON = {
 # Deadlines: these modules run in the full suite on 2 cores beside other work; a replica's step can
 # take seconds there. Every wait is a poll; a generous deadline only costs time when something is wrong.
 BURST_DEADLINE_S = 300.0
+# Clients of a burst that makes both replicas want more layers than BUDGET: 12 per replica, each ~6 blocks,
+# so 2-3 layers each in bf16 and fp32 alike (with 16, an fp32 fleet on an AVX2 CPU sometimes held 1 + 1,
+# KV 0.78 and 0.56, under the 0.85 entry threshold, and never used BUDGET).
+BURST_CLIENTS = 24
 FLEET_ARGS = {**COMMON, **FLEET_CONTROLLER, "num_replicas": 2, "fleet_max_quantized_layers": BUDGET,
               "replica_timeout_s": 6.0, "scale_out_after_s": 600.0, "pressure_router": True}
 
@@ -121,9 +125,7 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
     assert len(names) == 2
     until(lambda: set(controller_status(ray, FLEET_CONTROLLER)["replicas"]) == set(names), 120,
           "both replicas in the controller's view")
-    # 24 clients, as in the kill test below: with 16, an fp32 fleet on an AVX2 CPU sometimes held 1 + 1
-    # for the whole deadline (KV 0.78 and 0.56, under the 0.85 entry threshold) and never used BUDGET.
-    sampler, traffic = Sampler(ray, FLEET_CONTROLLER), Traffic(url, workers=24, max_tokens=24)
+    sampler, traffic = Sampler(ray, FLEET_CONTROLLER), Traffic(url, workers=BURST_CLIENTS, max_tokens=24)
     last = lambda: sampler.views[-1] if sampler.views else None  # noqa: E731
     try:
         # Each replica alone would go to 30 layers (performance mode); together they get BUDGET.
@@ -170,9 +172,7 @@ def _sum(text: str, name: str, label: str) -> float:
 def test_a_killed_replica_is_forgotten_and_its_grant_goes_to_the_pressed_survivor(fleet_app):
     ray, url = fleet_app
     names = serve_replica_names(ray, "morphserve")
-    # 24 clients (12 per replica, each ~6 blocks): both replicas need 2-3 layers, so the fleet's 4 are in
-    # use in bf16 and fp32 alike (with 16, an fp32 fleet on an AVX2 CPU held 1 + 1 and never reached it).
-    traffic = Traffic(url, workers=24, max_tokens=24)
+    traffic = Traffic(url, workers=BURST_CLIENTS, max_tokens=24)
     status = lambda: controller_status(ray, FLEET_CONTROLLER)  # noqa: E731
     try:
         # A moment where the budget is in use and some replica holds a grant: that one is killed. (Its

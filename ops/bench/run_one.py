@@ -242,10 +242,11 @@ class _AdminSampler:
                     self.generate_calls[counted[0]] = counted[1]
                 if isinstance(parsed.get("waiting_rounds"), dict):
                     self.waiting_rounds[str(parsed.get("replica_id"))] = parsed["waiting_rounds"]
-                if isinstance(parsed.get("directive_wait"), dict):
+                reading = parsed.get("directive_wait")
+                if isinstance(reading, dict):
                     rid = str(parsed.get("replica_id"))
-                    first = self.directive_waits.get(rid, (parsed["directive_wait"],))[0]
-                    self.directive_waits[rid] = (first, parsed["directive_wait"])
+                    first = self.directive_waits[rid][0] if rid in self.directive_waits else reading
+                    self.directive_waits[rid] = (first, reading)
         except (OSError, ValueError):
             pass  # a missed sample is a gap in the plot, not a failed run
 
