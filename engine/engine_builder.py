@@ -87,7 +87,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = BlockPool(plan.capacity, plan.max_blocks)
     storage = KVStorage(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, config.torch_dtype,
                         torch.device(config.device), plan.max_blocks, plan.capacity)
-    kv_manager = KVCacheManager(pool, config.block_size)
+    kv_manager = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(kv_manager, config.max_num_batched_tokens, config.max_num_seqs)
     kv_resizer = KVResizer(pool, storage, kv_manager, ledger, min_blocks=plan.min_blocks)
     runner = ModelRunner(model, storage, torch.device(config.device))  # packs the model's layers where it pays

@@ -1,17 +1,32 @@
-"""KVCacheManager: request -> block table. The only owner of block tables; block ids come from
-the BlockPool, which it never bypasses."""
+"""KVCacheManager: request -> block table. The only owner of block tables and of which of a request's
+blocks are registered in the prefix cache; block ids come from the BlockPool, which it never bypasses.
+
+Prefix caching (when enabled): a request that holds no blocks may start with the cached blocks that
+match its first tokens (`take_cached_prefix`; they are shared, never written: a request writes K/V
+only at positions after its computed tokens, which lie past its full shared blocks). As its K/V are
+computed, each newly full block is registered under its digest (`cache_computed`), so later requests,
+and this one after a preemption, can share it.
+"""
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable, Sequence
+
 from engine.block_pool import BlockPool
+from engine.prefix_hash import ROOT, block_digest, chain_digests
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = False):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.pool = pool
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[int]] = {}
+        self._digests: dict[str, list[bytes]] = {}  # per request: digests of its first full, computed blocks
+        self.prefix_queried_tokens = 0  # prompt tokens of admitted requests that looked in the cache
+        self.prefix_hit_tokens = 0  # of those, tokens found there (their prefill was skipped)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -34,8 +49,9 @@ class KVCacheManager:
         return True
 
     def free(self, request_id: str) -> None:
-        """Return every block of the request (a no-op for a request that holds none)."""
+        """Drop the request's hold on every block (a no-op for a request that holds none)."""
         table = self._tables.pop(request_id, None)
+        self._digests.pop(request_id, None)
         if table:
             self.pool.free(table)
 
@@ -49,6 +65,47 @@ class KVCacheManager:
         for table in self._tables.values():
             for pos, block in enumerate(table):
                 table[pos] = mapping.get(block, block)
+
+    # -- prefix caching ----------------------------------------------------------------------
+    def take_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Share into a request that holds no blocks the longest run of cached blocks its tokens start
+        with; returns the tokens they hold (its K/V need no computing). The last token is always left
+        to compute (its logits give the next token), so a block holding it is never taken."""
+        if not self.enable_prefix_caching or self._tables.get(request_id):
+            return 0
+        digests = chain_digests(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size)
+        ids = self.pool.cached_prefix(digests)
+        if ids:
+            self.pool.acquire(ids)
+            self._tables[request_id] = list(ids)
+            self._digests[request_id] = digests[:len(ids)]
+        return len(ids) * self.block_size
+
+    def count_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Counts an admitted request's lookup (its prompt tokens, those found): the hit rate's figures."""
+        self.prefix_queried_tokens += num_tokens
+        self.prefix_hit_tokens += num_cached
+
+    def cache_computed(self, request_id: str, num_computed: int, token_slice: Callable[[int, int], Sequence[int]]) -> None:
+        """Register the request's blocks that `num_computed` tokens have filled since the last call.
+        `token_slice(start, end)`: the request's tokens (prompt, then outputs) in that range."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        digests = self._digests.setdefault(request_id, [])
+        full = min(num_computed // self.block_size, len(table))
+        while len(digests) < full:
+            i, bs = len(digests), self.block_size
+            digests.append(block_digest(digests[-1] if digests else ROOT, token_slice(i * bs, (i + 1) * bs)))
+            self.pool.register(table[i], digests[-1])
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (requests keep theirs, unshared from now on); returns how many there were."""
+        for rid in self._digests:
+            self._digests[rid] = []  # their blocks leave the index; cache_computed registers them again
+        return self.pool.reset_prefix_cache()
 
     # -- figures -----------------------------------------------------------------------------
     @property
@@ -68,6 +125,8 @@ class KVCacheManager:
         return self.pool.num_used / self.pool.capacity if self.pool.capacity else 1.0
 
     def check_integrity(self) -> None:
-        held = [b for t in self._tables.values() for b in t]
-        if sorted(held) != self.pool.used_ids() or len(set(held)) != len(held):
-            raise RuntimeError("block tables and the pool's used blocks disagree")
+        held = collections.Counter(b for t in self._tables.values() for b in t)
+        if sorted(held) != self.pool.used_ids() or any(self.pool.ref_count(b) != n for b, n in held.items()):
+            raise RuntimeError("block tables and the pool's used blocks (with their reference counts) disagree")
+        if any(len(set(t)) != len(t) for t in self._tables.values()):
+            raise RuntimeError("a block table holds a block twice")

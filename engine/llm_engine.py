@@ -207,7 +207,9 @@ class LLMEngine:
         now = time.monotonic()
         outputs = [self._fail(self._requests[rid], e, now) for rid, e in failed]
         for r in sampled:
-            self._requests[r.chunk.request_id].num_computed_tokens = r.chunk.end_pos
+            seq = self._requests[r.chunk.request_id]
+            seq.num_computed_tokens = r.chunk.end_pos
+            self.kv_manager.cache_computed(seq.request_id, seq.num_computed_tokens, seq.token_slice)
         kept = [(self._requests[r.chunk.request_id], r) for r in sampled]
         self.monitor.record_tokens(now, sum(1 for _, r in kept if r.token is not None))
         for seq, r in kept:
@@ -262,7 +264,7 @@ class LLMEngine:
             request_id=seq.request_id, text=text, token_ids=new_ids, num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens, finish_reason=seq.finish_reason,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, finish_time=seq.finish_time,
-            first_scheduled_time=seq.first_scheduled_time)
+            first_scheduled_time=seq.first_scheduled_time, num_cached_tokens=seq.num_cached_tokens or 0)
 
     # -- pressure and morphing ---------------------------------------------------------------
     def pressure(self) -> PressureSnapshot:
@@ -291,6 +293,10 @@ class LLMEngine:
         """What admission-time morphing may do until the next directive (None: nothing)."""
         if self.admission is not None:
             self.admission.set_grant(grant)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (at a step boundary); returns how many were indexed."""
+        return self.kv_manager.reset_prefix_cache()
 
     def close(self) -> None:
         """Stop the morph executor's prefetch worker; the engine takes no more steps."""

@@ -76,7 +76,10 @@ class PressureMonitor:
             ttft_recent_p95_s=_quantile(self._ttfts.values(), 0.95),
             head_blocked_since=adm.blocked_since if adm is not None else None,
             admission_swaps_total=counters.get("swaps", 0), admission_layers_total=counters.get("layers_swapped", 0),
-            admission_restores_total=counters.get("restores", 0), admission_capped_total=counters.get("capped", 0))
+            admission_restores_total=counters.get("restores", 0), admission_capped_total=counters.get("capped", 0),
+            prefix_cache_queries_total=self.scheduler.kv.prefix_queried_tokens,
+            prefix_cache_hits_total=self.scheduler.kv.prefix_hit_tokens,
+            kv_cached_blocks=self.pool.num_cached)
 
     def _expire(self, now: float) -> None:
         for w in (self._ttfts, self._tpots, self._tokens):

@@ -24,6 +24,7 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     first_scheduled_time: float | None = None  # when a step first ran any of its tokens (queue time ends)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled) at first admission
     # Set when the engine failed this request alone (a step raised for it): finish_reason is "abort".
     error: Exception | None = None
     # When the request asked for them: one per new token id (aligned with token_ids) ...

@@ -51,6 +51,10 @@ class PressureSnapshot:
     admission_layers_total: int = 0  # layers those moved
     admission_restores_total: int = 0  # demand restores so far
     admission_capped_total: int = 0  # boundaries where the queue wanted more layers than the grant allows
+    # -- prefix caching (engine/kv_cache_manager.py) ------------------------------------------
+    prefix_cache_queries_total: int = 0  # prompt tokens of admitted requests that looked in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens found there
+    kv_cached_blocks: int = 0  # free blocks still holding a cached prefix block (counted free)
 
     @property
     def kv_usage(self) -> float:

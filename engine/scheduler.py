@@ -1,7 +1,9 @@
 """Continuous batching under a per-step token budget.
 
 Each step: (1) running decodes, oldest first; (2) running requests still prefilling (chunked);
-(3) waiting requests, strictly FCFS, while blocks for their first chunk and a running slot exist.
+(3) waiting requests, strictly FCFS, while blocks for their first chunk and a running slot exist; with
+prefix caching a request starts after the cached blocks its tokens begin with (KVCacheManager), and
+only the rest is prefilled.
 A running request that cannot get a block preempts, by recompute, the most recently arrived
 running request not yet scheduled this step (possibly itself): its blocks are freed and it goes
 back to the front of the waiting queue, to be re-prefilled (prompt + outputs so far) later.
@@ -91,13 +93,30 @@ class Scheduler:
     def _admit_waiting(self, step: "_StepPlan") -> None:
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cached = self._take_cached_prefix(seq)
             num_tokens = min(seq.num_uncomputed_tokens, step.budget)
             if not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + num_tokens):
+                if cached:  # give the shared blocks back (to the cache) until it is admitted
+                    self.kv.free(seq.request_id)
+                    seq.num_computed_tokens = 0
                 break  # FCFS: nobody overtakes the head of the queue
+            if self.kv.enable_prefix_caching:
+                self.kv.count_lookup(seq.num_tokens, cached)
+                if seq.num_cached_tokens is None:  # the first admission's hit is the one usage reports
+                    seq.num_cached_tokens = cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
             step.add(seq, num_tokens, self.kv.block_table(seq.request_id))
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """Start a waiting request after the cached blocks its tokens begin with; returns their tokens.
+        Not for a request that wants prompt logprobs: they come from the prefill's own logits."""
+        if seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
+            return 0
+        cached = self.kv.take_cached_prefix(seq.request_id, seq.token_slice(0, seq.num_tokens))
+        seq.num_computed_tokens = cached
+        return cached
 
     def oldest_waiting_arrival(self) -> float | None:
         return min((s.arrival_time for s in self.waiting), default=None)

@@ -35,6 +35,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.generator = generator
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -1,0 +1,199 @@
+"""Prefix caching: the pool's reference counts and index, the manager's sharing and registration, the
+scheduler starting a request after its cached prefix, and the engine's outputs unchanged by it."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.prefix_hash import ROOT, block_digest, chain_digests
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from tests.test_engine import generate, mixed_prompts, tiny_engine
+
+D = [bytes([i]) * 32 for i in range(8)]  # stand-in digests
+
+
+def test_digests_chain_so_equal_blocks_after_different_prefixes_differ():
+    a, b = chain_digests([1, 2, 3, 4, 9, 9, 9, 9], 4, 9), chain_digests([5, 6, 7, 8, 9, 9, 9, 9], 4, 9)
+    assert len(a) == 2 and a[1] != b[1]  # same second block, different first
+    assert a[0] == block_digest(ROOT, [1, 2, 3, 4]) and a[1] == block_digest(a[0], [9, 9, 9, 9])
+    assert chain_digests([1, 2, 3, 4, 9, 9], 4, 9) == a[:1]  # a partial block has no digest
+
+
+def test_a_freed_indexed_block_stays_cached_until_an_allocation_needs_it():
+    pool = BlockPool(4, 4)
+    ids = pool.allocate(2)
+    assert pool.register(ids[0], D[0]) and pool.register(ids[1], D[1])
+    assert not pool.register(ids[0], D[2]) and not pool.register(pool.allocate(1)[0], D[0])  # one each way
+    pool.free(ids)
+    assert (pool.num_free, pool.num_used, pool.num_cached) == (3, 1, 2)
+    assert pool.cached_prefix([D[0], D[1], D[3]]) == [0, 1]
+    assert pool.allocate(1) == [3]  # uncached ids first
+    assert pool.allocate(1) == [1]  # then the least recently freed cached block: the tail (freed in reverse)
+    assert pool.cached_prefix([D[0], D[1]]) == [0]
+    pool.check_integrity()
+
+
+def test_shared_blocks_count_references_and_come_back_into_use():
+    pool = BlockPool(4, 4)
+    (b,) = pool.allocate(1)
+    pool.register(b, D[0])
+    pool.acquire([b])  # a second request shares it
+    assert pool.ref_count(b) == 2
+    pool.free([b])
+    assert pool.ref_count(b) == 1 and pool.num_cached == 0
+    pool.free([b])
+    assert pool.num_cached == 1 and pool.num_used == 0
+    pool.acquire([b])  # a cached block comes back without a copy
+    assert (pool.ref_count(b), pool.num_cached) == (1, 0)
+    with pytest.raises(ValueError, match="no cached prefix"):
+        pool.acquire([pool.allocate(1)[0]])
+    pool.check_integrity()
+
+
+def test_shrink_moves_an_indexed_block_with_its_digest_and_drops_cached_blocks_above_the_top():
+    pool = BlockPool(6, 6)
+    ids = pool.allocate(6)
+    for i, d in zip(ids, D):
+        pool.register(i, d)
+    pool.free([0, 1, 2, 4])  # used: 3, 5; cached: 0, 1, 2, 4
+    mapping = pool.plan_shrink(3)
+    assert set(mapping) == {3, 5} and set(mapping.values()) <= {0, 1, 2}
+    pool.apply_shrink(mapping, 3)
+    assert pool.cached_prefix([D[5]]) == [mapping[5]] and pool.cached_prefix([D[3]]) == [mapping[3]]
+    assert pool.cached_prefix([D[4]]) == []  # was above the new top
+    assert pool.num_cached == 1 and pool.capacity == 3
+    pool.check_integrity()
+
+
+def test_reset_forgets_every_cached_block():
+    pool = BlockPool(4, 4)
+    ids = pool.allocate(2)
+    pool.register(ids[0], D[0]), pool.register(ids[1], D[1])
+    pool.free([ids[0]])
+    assert pool.reset_prefix_cache() == 2
+    assert pool.cached_prefix([D[0]]) == [] and pool.num_cached == 0 and pool.num_free == 3
+    pool.check_integrity()
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "share", "free", "grow", "shrink", "reset"]), st.integers(0, 12)),
+               max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_random_operations_with_sharing_keep_integrity(operations):
+    """Each owner holds a list of blocks; the pool's reference counts always equal the owners' holdings."""
+    pool = BlockPool(capacity=8, max_blocks=16)
+    owned: dict[int, list[int]] = {}
+    digests = iter(bytes([i % 256, i // 256]) * 16 for i in range(10_000))
+    next_owner = 0
+    for op, n in operations:
+        if op == "alloc" and (ids := pool.allocate(n)) is not None:
+            for i in ids[: n // 2]:  # index some of them, as computed full blocks are
+                pool.register(i, next(digests))
+            owned[next_owner], next_owner = ids, next_owner + 1
+        elif op == "share":
+            indexed = list(pool._digest_of)[: n]
+            pool.acquire(indexed)
+            owned[next_owner], next_owner = indexed, next_owner + 1
+        elif op == "free" and owned:
+            pool.free(owned.pop(sorted(owned)[n % len(owned)]))
+        elif op == "grow":
+            pool.grow(min(n, pool.max_blocks - pool.capacity))
+        elif op == "shrink":
+            new_cap = max(0, pool.capacity - n)
+            if (mapping := pool.plan_shrink(new_cap)) is not None:
+                pool.apply_shrink(mapping, new_cap)
+                owned = {o: [mapping.get(i, i) for i in ids] for o, ids in owned.items()}
+        elif op == "reset":
+            pool.reset_prefix_cache()
+        pool.check_integrity()
+        held = [i for ids in owned.values() for i in ids]
+        assert sorted(set(held)) == pool.used_ids()
+        assert all(pool.ref_count(i) == held.count(i) for i in set(held))
+
+
+def _sched(capacity=16, block_size=4, budget=64):
+    kv = KVCacheManager(BlockPool(capacity, capacity), block_size, enable_prefix_caching=True)
+    return Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=8), kv
+
+
+def _finish_prefill(sched: Scheduler, kv: KVCacheManager) -> None:
+    out = sched.schedule()
+    for c in out.chunks:
+        s = next(s for s in sched.running if s.request_id == c.request_id)
+        s.num_computed_tokens = c.end_pos
+        kv.cache_computed(s.request_id, s.num_computed_tokens, s.token_slice)
+        if c.needs_logits:
+            s.output_token_ids.append(7)
+
+
+def test_a_request_starts_after_the_cached_blocks_its_prompt_begins_with():
+    sched, kv = _sched()
+    shared = list(range(100, 112))  # three full blocks
+    a = Sequence("a", shared + [1, 2], SamplingParams(max_tokens=4), 0.0)
+    sched.add(a)
+    _finish_prefill(sched, kv)
+    b = Sequence("b", shared + [7], SamplingParams(max_tokens=4), 0.0)
+    c = Sequence("c", shared, SamplingParams(max_tokens=4), 0.0)  # all cached: its last block is recomputed
+    sched.add(b), sched.add(c)
+    chunks = {ch.request_id: ch for ch in sched.schedule().chunks}
+    assert (chunks["b"].start_pos, chunks["b"].token_ids) == (12, (7,))
+    assert chunks["b"].block_table[:3] == kv.block_table("a")[:3]
+    assert chunks["c"].start_pos == 8 and chunks["c"].block_table[:2] == kv.block_table("a")[:2]
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (12, 8)
+    assert (kv.prefix_queried_tokens, kv.prefix_hit_tokens) == (14 + 13 + 12, 0 + 12 + 8)
+    kv.check_integrity()
+
+
+def test_a_blocked_head_gives_its_shared_blocks_back_and_prompt_logprobs_skip_the_cache():
+    sched, kv = _sched(capacity=6)
+    shared = list(range(100, 108))
+    sched.add(Sequence("a", shared + [1], SamplingParams(max_tokens=4), 0.0))
+    _finish_prefill(sched, kv)  # a holds 3 blocks, 2 of them indexed
+    big = Sequence("big", shared + list(range(20)), SamplingParams(max_tokens=4), 0.0)  # needs 5 more than its 2
+    sched.add(big)
+    assert sched.schedule().chunks[0].request_id == "a" and sched.waiting[0] is big
+    assert big.num_computed_tokens == 0 and kv.block_table("big") == () and kv.pool.ref_count(0) == 1
+    sched.remove(sched.waiting[0])
+    wants = Sequence("lp", shared + [5], SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0)
+    sched.add(wants)
+    chunk = next(c for c in sched.schedule().chunks if c.request_id == "lp")
+    assert chunk.start_pos == 0 and wants.num_cached_tokens == 0
+    kv.check_integrity()
+
+
+def test_engine_outputs_are_the_same_with_and_without_the_cache(tiny_model_dir):
+    prefix = list(range(40, 60))  # 5 blocks of 4, shared by every prompt
+    prompts = {rid: prefix + p for rid, p in mixed_prompts(n=8, seed=3).items()}
+    off = generate(tiny_engine(tiny_model_dir, enable_prefix_caching=False), prompts)
+    engine = tiny_engine(tiny_model_dir)
+    first = generate(engine, {"r0": prompts["r0"]})
+    assert first["r0"] == off["r0"]
+    cached = {}
+    for rid, p in prompts.items():  # one at a time: each finds the prefix (and r0 its whole prompt) cached
+        engine.add_request(rid, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            for out in engine.step().outputs:
+                cached.setdefault(out.request_id, []).extend(out.token_ids)
+                if out.finished:
+                    assert out.num_cached_tokens >= len(prefix)
+    assert cached == off
+    snap = engine.pressure()
+    assert snap.prefix_cache_hits_total >= 8 * len(prefix) and snap.kv_cached_blocks > 0
+    engine.check_integrity()
+
+
+def test_engine_preemption_with_the_cache_equals_without(tiny_model_dir):
+    prefix = list(range(40, 52))
+    prompts = {rid: prefix + p for rid, p in mixed_prompts(n=12, seed=4).items()}
+    off = generate(tiny_engine(tiny_model_dir, enable_prefix_caching=False), prompts)
+    probe = tiny_engine(tiny_model_dir)
+    plan = probe.memory_plan
+    engine = tiny_engine(tiny_model_dir, memory_budget=plan.weights + plan.reserve + 24 * plan.block_bytes)
+    assert generate(engine, prompts) == off
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hit_tokens > 0
