@@ -79,7 +79,8 @@ class GenerateChunk:
     error: EngineErrorInfo | None = None
     queue_time_s: float | None = None
     logprobs: tuple[PositionLogprobs, ...] | None = None  # one per token id, when asked for
-    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None  # on the first chunk, when asked for  # on the last chunk: arrival to first schedule in the engine
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None  # on the first chunk, when asked for
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (not prefilled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,4 +306,5 @@ def chunk_from_output(output: RequestOutput) -> GenerateChunk:
     """Replica side: the engine's per-step RequestOutput as the chunk that crosses to the ingress."""
     return GenerateChunk(output.request_id, output.text, tuple(output.token_ids), output.finish_reason,
                          output.num_prompt_tokens, output.num_output_tokens,
-                         logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs)
+                         logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
+                         num_cached_tokens=output.num_cached_tokens)

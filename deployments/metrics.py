@@ -163,6 +163,7 @@ class ServeMetrics:
         self.backend = backend if backend is not None else default_backend()
         self._tags = {"model_name": model_name}
         self._last_preemptions = 0
+        self._last_prefix = (0, 0)  # the snapshot's prefix-cache totals (queries, hits) counted so far
         b, m = self.backend, ("model_name",)
         self.ttft = b.histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS, m)
         self.itl = b.histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS, m)
@@ -182,6 +183,11 @@ class ServeMetrics:
                                           "or the local policy)", list(DIRECTIVE_WAIT_BOUNDS_S), m + ("source",))
         self.memory = b.gauge(PREFIX + "memory_bytes", "Ledger bytes by owner", m + ("kind",))
         self.preemptions = b.counter(PREFIX + "num_preemptions", "Requests preempted (recompute)", m)
+        self.prefix_queries = b.counter(PREFIX + "prefix_cache_queries",
+                                        "Prompt tokens of admitted requests looked up in the prefix cache", m)
+        self.prefix_hits = b.counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache", m)
+        self.kv_cached = b.gauge(PREFIX + "kv_cache_cached_blocks",
+                                 "Free KV blocks still holding a cached prefix block", m)
         self.prompt_tokens = b.counter(PREFIX + "prompt_tokens", "Prompt tokens processed", m)
         self.generation_tokens = b.counter(PREFIX + "generation_tokens", "Tokens generated", m)
         self.success = b.counter(PREFIX + "request_success", "Finished requests", m + ("finished_reason",))
@@ -237,6 +243,13 @@ class ServeMetrics:
         if increase > 0:
             self.preemptions.inc(increase, self._t())
         self._last_preemptions = snapshot.preemptions_total
+        queries, hits = snapshot.prefix_cache_queries_total, snapshot.prefix_cache_hits_total
+        if queries > self._last_prefix[0]:
+            self.prefix_queries.inc(queries - self._last_prefix[0], self._t())
+        if hits > self._last_prefix[1]:
+            self.prefix_hits.inc(hits - self._last_prefix[1], self._t())
+        self._last_prefix = (queries, hits)
+        self.kv_cached.set(snapshot.kv_cached_blocks, self._t())
 
     def set_morph_state(self, state: MorphState) -> None:
         for precision in ("int8", "int4"):

@@ -262,7 +262,9 @@ class LLMServer:
                            num_quantized=self.engine.morph_state().num_quantized,
                            morph_blocks=max(0, snapshot.kv_capacity_blocks - self.engine.base_kv_blocks),
                            prefill_tokens=snapshot.prefill_backlog_tokens,
-                           prefill_tps=self.engine.prefill_tokens_per_s()).to_stats()
+                           prefill_tps=self.engine.prefill_tokens_per_s(),
+                           capacity_blocks=snapshot.kv_capacity_blocks,
+                           prefix_caching=self.config.enable_prefix_caching).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.

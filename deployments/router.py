@@ -59,6 +59,17 @@ restores sooner.
     stale or missing stats for any candidate, a replica without a cached queue length, or a call
     other than `generate`: Serve's default, power of two choices (the parent class)
 
+Prefix affinity (when the engines cache prefixes, engine/kv_cache_manager.py): a request whose first
+prompt blocks this router recently sent to a replica likely finds them in that replica's prefix cache
+and prefills only the rest there. The router remembers, per replica, the block digests of the prompts it
+sent (`PrefixAffinity`, an LRU of at most the replica's KV capacity in blocks: its cache cannot hold
+more) and counts the expected hit off that replica's backlog: the key is the prompt tokens the replica
+would prefill before this request's first token, backlog + prompt - hit (without a backlog, -hit: the
+hit decides before queue length). A hit counts only on a replica whose queue is at most
+`affinity_queue_gap` requests longer than the shortest, so a popular prefix does not pile every
+request onto one replica; past that, the other replicas take requests and cache the prefix too. It is
+an estimate: the engine evicts cached blocks when it needs room, and other ingress replicas route too.
+
 Decisions are counted in `morphserve_router_decisions{decision}` (the chosen class, or why the
 router fell back), the chosen replica of every `generate` call in `morphserve_router_choices{engine_replica}`.
 """
@@ -72,6 +83,8 @@ from typing import Any, Hashable
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
+from engine.prefix_hash import chain_digests
+
 ROUTER_IMPORT_PATH = "deployments.router:PressureAwareRouter"
 DECISIONS_METRIC = "morphserve_router_decisions"  # counter, tag `decision`
 CHOICES_METRIC = "morphserve_router_choices"  # counter, tag `engine_replica` (Serve reserves `replica`)
@@ -84,6 +97,10 @@ FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best f
 # after it. AppArgs.router_transit_s sets it for the app, with the same default
 # (tests/test_router.py holds every default of initialize_state equal to the app's).
 TRANSIT_S = 0.05
+# Prefix affinity: how many more queued requests than the shortest queue a replica may have and still get
+# the credit for a cached prefix. A hit saves a prefill (~0.7 s for 128 tokens in fp32 on one AVX2
+# thread), a queued request costs its share of each decode step (a few percent of a step each).
+AFFINITY_QUEUE_GAP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +115,8 @@ class ReplicaLoad:
     morph_blocks: int = 0  # KV blocks its morph added (capacity now less at full precision); a restore takes them
     prefill_tokens: int = 0  # prompt tokens it has yet to prefill (engine/demand.py): what a new request's TTFT waits behind
     prefill_tps: float = 0.0  # prompt tokens it prefills per second (engine/step_stats.py PrefillRate); 0: unknown
+    capacity_blocks: int = 0  # its committed KV blocks: the most its prefix cache can hold
+    prefix_caching: bool = False  # its engine shares cached prompt prefixes
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
@@ -121,7 +140,8 @@ class ReplicaLoad:
             return cls(int(stats["free_blocks"]), int(stats["num_waiting"]), max(1, int(stats["block_size"])),
                        float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)),
                        int(stats.get("num_quantized", 0)), max(0, int(stats.get("morph_blocks", 0))),
-                       max(0, int(stats.get("prefill_tokens", 0))), max(0.0, float(stats.get("prefill_tps", 0.0))))
+                       max(0, int(stats.get("prefill_tokens", 0))), max(0.0, float(stats.get("prefill_tps", 0.0))),
+                       max(0, int(stats.get("capacity_blocks", 0))), bool(stats.get("prefix_caching", False)))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -159,13 +179,18 @@ def fit_class(load: ReplicaLoad, headroom: int, need: int) -> FitClass:
 
 def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Hashable, int | None],
                   prompt_tokens: int, sent: dict[Hashable, Sent], now: float, stale_after_s: float,
-                  max_tokens: int | None = None, penalties: Penalties = Penalties()) -> tuple[Decision, list[Hashable]]:
-    """Pure: (the chosen replica's fit class, every replica cheapest first). Cheapest = while any replica
-    reports a prefill backlog, the least backlog now (its stats' prompt tokens yet to prefill + the
-    prompts sent there since, less what it prefilled since at its reported speed); then cost = queue
-    length + the class's penalty, then the better class, then more room at full precision; ("stale", [])
-    when any load is missing or older than `stale_after_s`, ("no_queue_len", []) when any queue length
-    is unknown. `sent`: what this router sent to each replica after its stats were taken."""
+                  max_tokens: int | None = None, penalties: Penalties = Penalties(),
+                  cached: dict[Hashable, int] | None = None,
+                  affinity_queue_gap: int = AFFINITY_QUEUE_GAP) -> tuple[Decision, list[Hashable]]:
+    """Pure: (the chosen replica's fit class, every replica cheapest first). Cheapest = the fewest prompt
+    tokens prefilled there before this request's first token: while any replica reports a prefill
+    backlog, its backlog now (its stats' prompt tokens yet to prefill + the prompts sent there since, less
+    what it prefilled since at its reported speed), less the request's expected prefix-cache hit there
+    (`cached`, in tokens; counted only where the queue is at most `affinity_queue_gap` longer than the
+    shortest); then cost = queue length + the class's penalty, then the better class, then more room
+    at full precision; ("stale", []) when any load is missing or older than `stale_after_s`,
+    ("no_queue_len", []) when any queue length is unknown. `sent`: what this router sent to each
+    replica after its stats were taken."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
         return "stale", []
     if any(queue_lens.get(rid) is None for rid in loads):
@@ -177,9 +202,11 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
     bursting = any(load.prefill_tokens > 0 for load in loads.values())
     backlog = ({rid: load.backlog_now(sent.get(rid, nothing).tokens, now) for rid, load in loads.items()} if bursting
                else dict.fromkeys(loads, 0.0))
+    shortest = min(queue_lens[rid] for rid in loads)
+    hit = {rid: (cached or {}).get(rid, 0) if queue_lens[rid] - shortest <= affinity_queue_gap else 0 for rid in loads}
     fits = {rid: fit_class(load, headroom[rid], max(1, load.blocks_for(prompt_tokens, max_tokens)))
             for rid, load in loads.items()}
-    order = sorted(loads, key=lambda rid: (backlog[rid], queue_lens[rid] + penalties.of(fits[rid]),
+    order = sorted(loads, key=lambda rid: (backlog[rid] - hit[rid], queue_lens[rid] + penalties.of(fits[rid]),
                                            FIT_CLASSES.index(fits[rid]), -(headroom[rid] - loads[rid].morph_blocks)))
     return fits[order[0]], order
 
@@ -210,14 +237,45 @@ class InFlight:
         return Sent(sum(s.blocks for s in after), sum(s.tokens for s in after))
 
 
+class PrefixAffinity:
+    """The block digests of the prompts this router sent to each replica, most recent last, at most
+    `keep` per replica (the replica's KV capacity: its prefix cache holds no more)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[Hashable, collections.OrderedDict[bytes, None]] = collections.defaultdict(collections.OrderedDict)
+
+    @staticmethod
+    def digests(prompt_token_ids, block_size: int) -> list[bytes]:
+        """The prompt's full blocks the engine could find cached: all but one holding its last token."""
+        return chain_digests(prompt_token_ids, block_size, (len(prompt_token_ids) - 1) // block_size)
+
+    def matched_tokens(self, replica_id: Hashable, digests: list[bytes], block_size: int) -> int:
+        """Tokens of the longest run of `digests`, from the first, sent to that replica lately."""
+        seen, n = self._seen.get(replica_id), 0
+        while seen is not None and n < len(digests) and digests[n] in seen:
+            n += 1
+        return n * block_size
+
+    def record(self, replica_id: Hashable, digests: list[bytes], keep: int) -> None:
+        seen = self._seen[replica_id]
+        for d in digests:
+            seen[d] = None
+            seen.move_to_end(d)
+        while len(seen) > max(0, keep):
+            seen.popitem(last=False)
+
+
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, stale_after_s: float = 2.0, morphed_penalty: float = 0.0, no_fit_penalty: float = 0.0,
-                         transit_s: float = TRANSIT_S, **kwargs: Any) -> None:
+                         transit_s: float = TRANSIT_S, affinity_queue_gap: int = AFFINITY_QUEUE_GAP,
+                         **kwargs: Any) -> None:
         """Keyword arguments come from the deployment's `request_router_config.request_router_kwargs`."""
         super().initialize_state(**kwargs)
         self.stale_after_s = stale_after_s
         self.penalties = Penalties(morphed=morphed_penalty, no_fit=no_fit_penalty)
         self._in_flight = InFlight(keep_s=2 * stale_after_s, transit_s=transit_s)
+        self.affinity_queue_gap = affinity_queue_gap
+        self._affinity = PrefixAffinity()
         self._decisions = self._choices = None  # the counters, made on first use inside the ingress replica
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
@@ -229,8 +287,10 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         loads = {r.replica_id: ReplicaLoad.from_stats(r.routing_stats) for r in candidate_replicas}
         queue_lens = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas}
         sent = {rid: self._in_flight.since(rid, load.taken_at) for rid, load in loads.items() if load is not None}
+        cached = {rid: self._expected_hit(rid, load, request) for rid, load in loads.items() if load is not None}
         decision, order = rank_replicas(loads, queue_lens, len(request.prompt_token_ids), sent, now,
-                                        self.stale_after_s, request.max_tokens, self.penalties)
+                                        self.stale_after_s, request.max_tokens, self.penalties, cached,
+                                        self.affinity_queue_gap)
         self._count(decision)
         if not order:  # stale stats or an unknown queue length: Serve's default (its probes refill the cache)
             return await super().choose_replicas(candidate_replicas, pending_request)
@@ -247,7 +307,18 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         if load is None:
             return
         prompt = len(request.prompt_token_ids)
-        self._in_flight.record(replica_id, time.time(), Sent(load.blocks_for(prompt, request.max_tokens), prompt))
+        hit = self._expected_hit(replica_id, load, request)  # before recording: what it finds there now
+        self._in_flight.record(replica_id, time.time(), Sent(load.blocks_for(prompt, request.max_tokens), prompt - hit))
+        if load.prefix_caching:
+            self._affinity.record(replica_id, PrefixAffinity.digests(request.prompt_token_ids, load.block_size),
+                                  keep=load.capacity_blocks)
+
+    def _expected_hit(self, replica_id: Any, load: ReplicaLoad, request: Any) -> int:
+        """Prompt tokens the request likely finds in that replica's prefix cache (0 where it does not cache)."""
+        if not load.prefix_caching:
+            return 0
+        digests = PrefixAffinity.digests(request.prompt_token_ids, load.block_size)
+        return self._affinity.matched_tokens(replica_id, digests, load.block_size)
 
     def _count(self, decision: Decision) -> None:
         try:

@@ -203,3 +203,16 @@ def test_a_run_pairs_each_controller_system_with_the_baseline_repeat_by_repeat()
     assert len(lines) == 1  # no pressure-router runs: no line for it
     assert lines[0].startswith(f"{FLEET_CONTROLLER_ONLY} vs {FLEET_BASELINE}, paired by repeat (2 pairs)")
     assert "SLO misses fewer in 1, more in 0, equal in 1" in lines[0] and "layer-seconds fewer in 1 of 2" in lines[0]
+
+
+def test_prefix_hit_share_is_cached_over_served_prompt_tokens_where_the_server_reports_both():
+    import dataclasses
+
+    from ops.bench.metrics import prefix_hit_share
+
+    base = _records()
+    assert prefix_hit_share(base) is None and compute_run_metrics(base, 0.5).prefix_hit_share is None
+    served = [dataclasses.replace(r, served_prompt_tokens=100, cached_prompt_tokens=c)
+              for r, c in zip(base[:3], (0, 48, 96))]
+    assert prefix_hit_share(served + base[3:]) == pytest.approx(144 / 300)
+    assert compute_run_metrics(served + base[3:], 0.5).prefix_hit_share == pytest.approx(144 / 300)

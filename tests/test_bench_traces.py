@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ops.bench import BenchmarkInputError
-from ops.bench.prompts import build_prompts, fit_prompt, load_sharegpt_pairs
+from ops.bench.prompts import build_prompts, fit_prompt, load_sharegpt_pairs, with_system_prompts
 from ops.bench.traces import Trace, TraceRequest, load_azure_trace, load_burstgpt_trace, load_trace
 from ops.bench.workload import WorkloadSpec, arrival_counts, build_workload, select_window
 
@@ -184,3 +184,17 @@ def test_several_windows_do_not_overlap_and_reach_min_requests():
     assert w.trace_peak_rps == 13.0  # 12 burst requests + the background one in that second
     with pytest.raises(BenchmarkInputError, match="offset_s"):
         WorkloadSpec(offset_s=1.0, num_windows=2)
+
+
+def test_system_prompts_are_few_long_and_drawn_for_every_request(tmp_path):
+    encode, decode = _char_tokenizer()
+    path = _sharegpt(tmp_path, n=120)
+    prompts = build_prompts([TraceRequest(float(i), 8, 4) for i in range(40)], encode, decode, seed=0, path=path)
+    shared = with_system_prompts(prompts, 3, 50, encode, decode, seed=0, path=path)
+    systems = {p.system for p in shared}
+    assert len(systems) == 3 and all(len(encode(s)) == 50 for s in systems)
+    assert [p.prompt for p in shared] == [p.prompt for p in prompts]  # the prompts themselves unchanged
+    assert shared == with_system_prompts(prompts, 3, 50, encode, decode, seed=0, path=path)  # seeded
+    assert not systems & {p.prompt for p in prompts}
+    with pytest.raises(BenchmarkInputError, match="system prompts"):
+        with_system_prompts(prompts, 0, 50, encode, decode, path=path)

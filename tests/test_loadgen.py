@@ -66,7 +66,7 @@ def _serve(conn) -> None:
         body = await request.json()
         bodies.append(body)
         chat = "messages" in body
-        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if prompt == "bad":
             return web.json_response({"error": {"message": "prompt is bad"}}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -78,7 +78,8 @@ def _serve(conn) -> None:
                 await asyncio.Event().wait()  # never set: the client's deadline must end this
             if prompt == "slow":
                 await asyncio.sleep(0.02)
-        usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 3 + body["max_tokens"]}
+        usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 3 + body["max_tokens"],
+                 "prompt_tokens_details": {"cached_tokens": 2}}
         await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage, 'queue_time_s': 0.125})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -137,10 +138,15 @@ def test_all_requests_recorded_and_send_lag_small(server):
 
 
 def test_http_errors_and_chat_api_are_recorded(server):
-    requests = [LoadRequest("ok", 0.0, "hello", 3), LoadRequest("bad", 0.0, "bad", 3)]
+    requests = [LoadRequest("ok", 0.0, "hello", 3), LoadRequest("bad", 0.0, "bad", 3),
+                LoadRequest("sys", 0.0, "hi", 2, system="You answer briefly.")]
+    before = len(server.bodies())
     result = replay(requests, LoadGenConfig(base_url=server.url, model="fake", api="chat", deadline_s=30))
-    ok, bad = result.records
-    assert ok.ok and ok.output_text == "t0 t1 t2 "
+    ok, bad, sys_ = result.records
+    assert ok.ok and ok.output_text == "t0 t1 t2 " and ok.cached_prompt_tokens == 2
+    messages = {b["messages"][-1]["content"]: b["messages"] for b in server.bodies()[before:]}
+    assert messages["hi"] == [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "hi"}]
+    assert messages["hello"] == [{"role": "user", "content": "hello"}] and sys_.ok
     assert not bad.ok and bad.status == 400 and "prompt is bad" in bad.error and bad.first_token_s is None
 
 

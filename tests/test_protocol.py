@@ -127,7 +127,7 @@ def test_chat_stream_order_and_usage():
     assert [c["choices"][0]["delta"] for c in last[:2]] == [{"content": "b"}, {}]
     assert last[1]["choices"][0]["finish_reason"] == "length"
     usage = fmt.usage_chunk(p.usage_of([3], {0: _chunk("b", "length", out=2)}))
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_stream_chunks_carry_no_usage_key_unless_asked():

@@ -171,9 +171,10 @@ def test_requests_sent_during_a_step_count_until_a_report_holds_them():
 def test_the_app_hands_its_router_settings_to_every_router():
     from deployments.app_args import AppArgs
 
-    args = AppArgs(pressure_router=True, router_transit_s=0.2, router_stale_after_s=3.0)
+    args = AppArgs(pressure_router=True, router_transit_s=0.2, router_stale_after_s=3.0, router_affinity_queue_gap=2)
     kwargs = args.request_router_config()["request_router_kwargs"]
-    assert kwargs == {"stale_after_s": 3.0, "morphed_penalty": 0.0, "no_fit_penalty": 0.0, "transit_s": 0.2}
+    assert kwargs == {"stale_after_s": 3.0, "morphed_penalty": 0.0, "no_fit_penalty": 0.0, "transit_s": 0.2,
+                      "affinity_queue_gap": 2}
     assert AppArgs().request_router_config() is None  # Serve's own router unless asked (wave 18)
 
 
@@ -187,3 +188,38 @@ def test_the_routers_own_defaults_are_the_apps():
     params = inspect.signature(PressureAwareRouter.initialize_state).parameters
     app = AppArgs(pressure_router=True).request_router_config()["request_router_kwargs"]
     assert {name: params[name].default for name in app} == app
+
+
+def test_an_expected_prefix_hit_counts_off_the_backlog_and_before_queue_length():
+    quiet = {"a": load(20), "b": load(20)}
+    # Nothing backlogged: the replica likely holding 96 of the prompt's tokens wins over a shorter queue...
+    assert rank(quiet, {"a": 3, "b": 1}, cached={"a": 96})[1] == ["a", "b"]
+    # ...unless its queue is more than affinity_queue_gap longer than the shortest.
+    assert rank(quiet, {"a": 6, "b": 1}, cached={"a": 96})[1] == ["b", "a"]
+    assert rank(quiet, {"a": 3, "b": 1}, cached={"a": 96}, affinity_queue_gap=1)[1] == ["b", "a"]
+    # In a burst the hit is prefill not done: 300 backlogged - 96 cached still loses to 150 backlogged.
+    burst = {"a": load(20, prefill=300), "b": load(20, prefill=150)}
+    assert rank(burst, {"a": 1, "b": 1}, cached={"a": 96})[1] == ["b", "a"]
+    assert rank(burst, {"a": 1, "b": 1}, cached={"a": 200})[1] == ["a", "b"]
+
+
+def test_prefix_affinity_remembers_the_blocks_sent_to_each_replica_up_to_its_capacity():
+    from deployments.router import PrefixAffinity
+
+    shared, other = list(range(100, 148)), list(range(500, 548))  # 3 blocks of 16 each
+    aff = PrefixAffinity()
+    assert len(PrefixAffinity.digests(shared + [1], 16)) == 3 and len(PrefixAffinity.digests(shared, 16)) == 2
+    aff.record("a", PrefixAffinity.digests(shared + [1], 16), keep=8)
+    assert aff.matched_tokens("a", PrefixAffinity.digests(shared + [9, 9], 16), 16) == 48
+    assert aff.matched_tokens("a", PrefixAffinity.digests(shared[:16] + other, 16), 16) == 16  # first block only
+    assert aff.matched_tokens("b", PrefixAffinity.digests(shared + [1], 16), 16) == 0
+    aff.record("a", PrefixAffinity.digests(other + [1], 16), keep=4)  # the oldest go past the capacity
+    assert aff.matched_tokens("a", PrefixAffinity.digests(shared + [1], 16), 16) == 0
+    assert aff.matched_tokens("a", PrefixAffinity.digests(other + [1], 16), 16) == 48
+
+
+def test_stats_carry_the_capacity_and_whether_the_engine_caches_prefixes():
+    stats = ReplicaLoad(10, 0, 16, NOW, capacity_blocks=65, prefix_caching=True).to_stats()
+    assert ReplicaLoad.from_stats(stats) == ReplicaLoad(10, 0, 16, NOW, capacity_blocks=65, prefix_caching=True)
+    del stats["capacity_blocks"], stats["prefix_caching"]  # an older replica's stats
+    assert ReplicaLoad.from_stats(stats).prefix_caching is False

@@ -165,6 +165,9 @@ def test_chat_non_streaming_and_streaming_agree(app_url, client, expected_prompt
     assert streamed == text  # greedy: the same tokens either way
     assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    # The second request found the first's prompt in the (one) replica's prefix cache: every full block
+    # but the one holding the last token, whose logits it needs; and its answer is the same.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (expected_prompt_tokens - 1) // 16 * 16 > 0
 
 
 @pytest.mark.slow

@@ -38,7 +38,12 @@ class Choice:
 
 
 def usage_of(prompt_tokens: list[int], chunks_by_choice: dict[int, GenerateChunk]) -> Usage:
-    return Usage.of(sum(prompt_tokens), sum(c.num_output_tokens for c in chunks_by_choice.values()))
+    """Each prompt counts once, however many choices it has (choice index = prompt * n + j), and so do its
+    cached tokens: its first choice's (later choices may find it cached because of the first)."""
+    n = max(1, len(chunks_by_choice) // max(1, len(prompt_tokens)))
+    firsts = [chunks_by_choice[k * n] for k in range(len(prompt_tokens)) if k * n in chunks_by_choice]
+    return Usage.of(sum(prompt_tokens), sum(c.num_output_tokens for c in chunks_by_choice.values()),
+                    sum(c.num_cached_tokens for c in firsts))
 
 
 class CompletionFormatter:

@@ -62,6 +62,10 @@ class BenchConfig:
     # --fleet: AppArgs.report_interval_s of the controller systems (how often a replica reports to the
     # controller); None: the app's
     fleet_report_interval_s: float | None = None
+    # Shared prefixes (what prefix caching and the router's prefix affinity are for): every request gets
+    # one of `system_prompts` system prompts of `system_prompt_tokens` tokens (0: none, the model's default)
+    system_prompts: int = 0
+    system_prompt_tokens: int = 0
     quality: bool = True  # teacher-forced agreement and token-weighted perplexity after the load phase
     ppl_tokens: int = 2048
     ppl_window: int = 512
@@ -84,9 +88,14 @@ class BenchConfig:
             if not (scale > 0 and 1 <= low <= high):
                 raise BenchmarkInputError(f"{kind}_scale={scale}, {kind}_range={(low, high)}: need a positive "
                                           f"scale and 1 <= shortest <= longest {kind}")
-        if self.prompt_range[1] + CHAT_TEMPLATE_TOKENS + self.output_range[1] > self.max_model_len:
-            raise BenchmarkInputError(f"the longest prompt ({self.prompt_range[1]}), its chat template (up to "
-                                      f"{CHAT_TEMPLATE_TOKENS}) and the longest output ({self.output_range[1]}) "
+        if (self.system_prompts > 0) != (self.system_prompt_tokens > 0) or min(self.system_prompts,
+                                                                               self.system_prompt_tokens) < 0:
+            raise BenchmarkInputError(f"system_prompts={self.system_prompts}, system_prompt_tokens="
+                                      f"{self.system_prompt_tokens}: give both (a count and a length) or neither")
+        longest = self.prompt_range[1] + self.system_prompt_tokens
+        if longest + CHAT_TEMPLATE_TOKENS + self.output_range[1] > self.max_model_len:
+            raise BenchmarkInputError(f"the longest prompt ({longest}, system prompt included), its chat template "
+                                      f"(up to {CHAT_TEMPLATE_TOKENS}) and the longest output ({self.output_range[1]}) "
                                       f"exceed max_model_len={self.max_model_len}")
 
     def controller_overrides(self) -> dict:
@@ -117,7 +126,9 @@ class BenchConfig:
                 f"max_num_batched_tokens {self.max_num_batched_tokens}, {self.threads} threads; vLLM gets the "
                 f"same KV bytes via --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE is whole GiB only)",
                 f"requests: streaming /v1/chat/completions, temperature 0, ignore_eos; unfinished {self.drain_s:g} s "
-                f"after the last arrival = failed")
+                f"after the last arrival = failed" + (
+                    f"; each with one of {self.system_prompts} system prompts of {self.system_prompt_tokens} tokens "
+                    "(drawn at random, seeded), instead of the model's default" if self.system_prompts else ""))
 
 
 def workload_spec(cfg: BenchConfig, time_scale: float = 1.0) -> WorkloadSpec:

@@ -36,6 +36,7 @@ class LoadRequest:
     prompt: str | tuple[int, ...]
     max_tokens: int  # the trace's output length; sent with ignore_eos so exactly this many come back
     prompt_tokens: int = 0  # informational (the trace's prompt length)
+    system: str | None = None  # chat: a system message sent before the prompt (a prefix shared by many requests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RequestRecord:
     error: str | None
     queue_s: float | None = None  # server-reported queueing delay, when the server sends one
     served_prompt_tokens: int | None = None  # the server's usage.prompt_tokens (chat template included)
+    cached_prompt_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, when sent
 
     @property
     def ok(self) -> bool:
@@ -116,7 +118,7 @@ def load_requests(requests: Sequence[TraceRequest], prompts: Sequence[BenchPromp
     if len(prompts) != len(requests):
         raise BenchmarkInputError(f"{len(requests)} requests but {len(prompts)} prompts; build one prompt per request")
     return [LoadRequest(request_id=request_id(i), scheduled_s=r.arrival_s, prompt=p.prompt,
-                        max_tokens=r.output_tokens, prompt_tokens=p.prompt_tokens)
+                        max_tokens=r.output_tokens, prompt_tokens=p.prompt_tokens, system=p.system)
             for i, (r, p) in enumerate(zip(requests, prompts))]
 
 
@@ -252,6 +254,7 @@ class _Progress:
     text: list[str] = dataclasses.field(default_factory=list)
     usage_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None
     queue_s: float | None = None
 
 
@@ -260,7 +263,8 @@ def _body(request: LoadRequest, config: LoadGenConfig) -> dict:
                             "temperature": config.temperature, "ignore_eos": config.ignore_eos,
                             "stream_options": {"include_usage": True}}
     if config.api == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        system = [{"role": "system", "content": request.system}] if request.system is not None else []
+        body["messages"] = system + [{"role": "user", "content": request.prompt}]
     else:
         body["prompt"] = list(request.prompt) if isinstance(request.prompt, tuple) else request.prompt
     body.update(config.extra_body)
@@ -291,7 +295,7 @@ async def _send_one(session: aiohttp.ClientSession, request: LoadRequest, config
                          end_s=end, status=state.status, output_text="".join(state.text),
                          output_tokens=state.usage_tokens if state.usage_tokens is not None else len(state.times),
                          prompt_tokens=request.prompt_tokens, error=error, queue_s=state.queue_s,
-                         served_prompt_tokens=state.usage_prompt_tokens)
+                         served_prompt_tokens=state.usage_prompt_tokens, cached_prompt_tokens=state.usage_cached_tokens)
 
 
 def _on_line(raw: bytes, state: _Progress, clock, api: str) -> bool:
@@ -313,6 +317,9 @@ def _on_line(raw: bytes, state: _Progress, clock, api: str) -> bool:
         state.usage_tokens = int(usage["completion_tokens"])
     if usage.get("prompt_tokens") is not None:
         state.usage_prompt_tokens = int(usage["prompt_tokens"])
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:
+        state.usage_cached_tokens = int(cached)
     queue = event.get("queue_time_s", usage.get("queue_time_s"))
     if queue is not None:
         state.queue_s = float(queue)

@@ -66,6 +66,9 @@ class RunMetrics:
     throughput_tok_s: float
     preemptions: int | None  # from the sampled server counter; None when not sampled
     send_lag_p99_s: float | None
+    # Prompt tokens the server found in its prefix cache / prompt tokens it served (usage.prompt_tokens_
+    # details.cached_tokens over usage.prompt_tokens, served requests); None when the server sends no such figure
+    prefix_hit_share: float | None = None
 
     def flat(self) -> dict[str, float | None]:
         """Scalar metrics by name, e.g. "ttft_s.p95" (what repeats are aggregated over)."""
@@ -129,7 +132,14 @@ def compute_run_metrics(records: Sequence[RequestRecord], slo_ttft_s: float,
         goodput_rps=good / duration if duration > 0 else 0.0,
         throughput_tok_s=tokens / duration if duration > 0 else 0.0,
         preemptions=counter_increase(samples, "preemptions_total"),
-        send_lag_p99_s=percentile(lags, 99))
+        send_lag_p99_s=percentile(lags, 99), prefix_hit_share=prefix_hit_share(ok))
+
+
+def prefix_hit_share(records: Sequence[RequestRecord]) -> float | None:
+    """Cached prompt tokens over served prompt tokens, over the records that report both."""
+    both = [r for r in records if r.cached_prompt_tokens is not None and r.served_prompt_tokens]
+    served = sum(r.served_prompt_tokens for r in both)
+    return sum(r.cached_prompt_tokens for r in both) / served if served else None
 
 
 def counter_increase(samples: Sequence[ServerSample], name: str) -> int | None:

@@ -43,6 +43,7 @@ class BenchPrompt:
     prompt_tokens: int  # actual length of `prompt` under the given tokenizer
     target_tokens: int  # the trace's (scaled) prompt length
     reference: str
+    system: str | None = None  # a system prompt sent before it (with_system_prompts), shared with other requests
 
 
 def first_exchange(conversation: dict) -> PromptPair | None:
@@ -106,6 +107,20 @@ def fit_prompt(text: str, n_tokens: int, encode: Encode, decode: Decode, fillers
             return text, count
         cut -= count - n_tokens
     return text, count
+
+
+def with_system_prompts(prompts: Sequence[BenchPrompt], count: int, n_tokens: int, encode: Encode, decode: Decode,
+                        seed: int = 0, path: str | Path | None = None) -> list[BenchPrompt]:
+    """The prompts, each with one of `count` system prompts of `n_tokens` tokens, drawn at random (seeded):
+    what a server sees from several applications, each with its own long instructions. The system texts
+    are other ShareGPT conversations' first human turns (a seed no prompt draws from), padded or cut."""
+    if count < 1 or n_tokens < 1:
+        raise BenchmarkInputError(f"system prompts: {count} of {n_tokens} tokens; use at least one of at least one token")
+    pairs = load_sharegpt_pairs(count + 64, seed=seed + 7919, path=path)
+    texts = [fit_prompt(pairs[k].prompt, n_tokens, encode, decode, [p.prompt for p in pairs[count:]])[0]
+             for k in range(count)]
+    rng = random.Random(seed)
+    return [dataclasses.replace(p, system=texts[rng.randrange(count)]) for p in prompts]
 
 
 def build_prompts(requests: Sequence[TraceRequest], encode: Encode, decode: Decode, seed: int = 0,

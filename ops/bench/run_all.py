@@ -30,7 +30,7 @@ from ops.bench.bench_settings import CHAT_TEMPLATE_TOKENS, BenchConfig, workload
 from ops.bench.calibration import calibrate
 from ops.bench.loadgen import load_requests, reference_answers
 from ops.bench.probe import measure
-from ops.bench.prompts import build_prompts
+from ops.bench.prompts import build_prompts, with_system_prompts
 from ops.bench.reaction import engine_blocked_waits, reaction_times
 from ops.bench.report import (BenchResults, BenchSettings, SystemRun, build_report, run_metrics, score_quality,
                               summarize)
@@ -96,6 +96,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "(default 1/8)")
     ap.add_argument("--output-max", type=int, default=None, help="outputs longer than this many tokens are cut "
                     "(default 32); max_model_len grows with it as with --prompt-max")
+    ap.add_argument("--system-prompts", type=int, nargs=2, default=None, metavar=("COUNT", "TOKENS"),
+                    help="give every request one of COUNT system prompts of TOKENS tokens (drawn at random): "
+                    "shared prefixes, for prefix caching and the pressure router's prefix affinity")
     ap.add_argument("--dtype", choices=("bf16", "fp32", "auto"), default=None, help="MorphServe's full precision "
                     "(default bf16, as vLLM serves; auto: the engine's choice for this CPU, fp32 without native bf16)")
     return ap.parse_args(argv)
@@ -134,18 +137,21 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     for name in ("prompt_scale", "output_scale"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
-    if args.prompt_max is not None or args.output_max is not None:
-        changes |= length_limits(base, args.prompt_max, args.output_max)
+    if args.system_prompts is not None:
+        count, tokens = args.system_prompts
+        changes |= {"system_prompts": count, "system_prompt_tokens": tokens}
+    if args.prompt_max is not None or args.output_max is not None or args.system_prompts is not None:
+        changes |= length_limits(base, args.prompt_max, args.output_max, changes.get("system_prompt_tokens", 0))
     return dataclasses.replace(base, **changes)
 
 
-def length_limits(base: BenchConfig, prompt_max: int | None, output_max: int | None) -> dict:
+def length_limits(base: BenchConfig, prompt_max: int | None, output_max: int | None, system_tokens: int = 0) -> dict:
     """The config changes for prompts and outputs cut at other lengths (None: the default's): max_model_len
-    holds the longest prompt, its chat template and the longest output, in whole KV blocks, and never
-    shrinks below the default's."""
+    holds the longest prompt, its system prompt, its chat template and the longest output, in whole KV
+    blocks, and never shrinks below the default's."""
     prompt_max = base.prompt_range[1] if prompt_max is None else prompt_max
     output_max = base.output_range[1] if output_max is None else output_max
-    blocks = -(-(prompt_max + CHAT_TEMPLATE_TOKENS + output_max) // base.block_size)
+    blocks = -(-(prompt_max + system_tokens + CHAT_TEMPLATE_TOKENS + output_max) // base.block_size)
     return {"prompt_range": (min(base.prompt_range[0], prompt_max), prompt_max),
             "output_range": (min(base.output_range[0], output_max), output_max),
             "max_model_len": max(base.max_model_len, blocks * base.block_size)}
@@ -170,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = load_trace(datasets.resolve("azure_conv", args.trace))
     unscaled = build_workload(trace, workload_spec(cfg))
     prompts = build_prompts(unscaled.requests, setup.encode, setup.decode, seed=cfg.seed)
+    if cfg.system_prompts:
+        prompts = with_system_prompts(prompts, cfg.system_prompts, cfg.system_prompt_tokens, setup.encode,
+                                      setup.decode, seed=cfg.seed)
     command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "ops.bench.run_all", *(argv or sys.argv[1:])])
     (out / "command.txt").write_text(command + "\n", encoding="utf-8")
     _log(f"budget: {plan.describe()}\nout: {out}")

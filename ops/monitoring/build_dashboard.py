@@ -101,6 +101,14 @@ def memory_row() -> Row:
                                              agg="max"), "{{replica}}"),), unit="percentunit"),
         Panel("KV cache capacity (blocks)", (Query(gauge(
             "ray_morphserve_kv_cache_capacity_blocks", "replica"), "{{replica}}"),)),
+        Panel("Prefix cache hit rate", (Query(
+            f'{rate("ray_morphserve_prefix_cache_hits_total", "replica")} / '
+            f'{rate("ray_morphserve_prefix_cache_queries_total", "replica")}', "{{replica}}"),),
+            description="Prompt tokens found in the prefix cache / prompt tokens looked up, per replica "
+            "(their prefill was skipped). Cached blocks are free KV: they go when a request needs room.",
+            unit="percentunit"),
+        Panel("Cached KV blocks (free, still holding a prefix)", (Query(gauge(
+            "ray_morphserve_kv_cache_cached_blocks", "replica"), "{{replica}}"),)),
         Panel("Quantized layers by precision", (Query(gauge(
             "ray_morphserve_quantized_layers", "replica, precision"), "{{replica}} {{precision}}"),),
             stacked=True),
