@@ -135,17 +135,6 @@ class BlockPool:
         self._digest_of[block_id] = digest
         return True
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix block (used blocks stay, unindexed); returns how many were indexed."""
-        n = len(self._digest_of)
-        for i in self._cached:
-            self._free_set.add(i)
-            heapq.heappush(self._free_heap, i)
-        self._cached.clear()
-        self._digest_of.clear()
-        self._block_of.clear()
-        return n
-
     def _unindex(self, block_id: int) -> None:
         del self._block_of[self._digest_of.pop(block_id)]
 

@@ -101,12 +101,6 @@ class KVCacheManager:
             digests.append(block_digest(digests[-1] if digests else ROOT, token_slice(i * bs, (i + 1) * bs)))
             self.pool.register(table[i], digests[-1])
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block (requests keep theirs, unshared from now on); returns how many there were."""
-        for rid in self._digests:
-            self._digests[rid] = []  # their blocks leave the index; cache_computed registers them again
-        return self.pool.reset_prefix_cache()
-
     # -- figures -----------------------------------------------------------------------------
     @property
     def num_used_blocks(self) -> int:

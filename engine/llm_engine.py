@@ -294,10 +294,6 @@ class LLMEngine:
         if self.admission is not None:
             self.admission.set_grant(grant)
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix block (at a step boundary); returns how many were indexed."""
-        return self.kv_manager.reset_prefix_cache()
-
     def close(self) -> None:
         """Stop the morph executor's prefetch worker; the engine takes no more steps."""
         if self.morph_executor is not None:

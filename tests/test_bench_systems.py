@@ -337,12 +337,14 @@ def test_longer_prompts_and_outputs_grow_the_context_to_hold_them():
     assert out.max_model_len == 36 * 16  # 256 + 64 + 256 tokens
     with pytest.raises(BenchmarkInputError, match="max_model_len"):
         BenchConfig(prompt_range=(16, 450))  # + 64 template + 32 output tokens > 512
-    shared = bench_config(parse_args(["--fleet", "--system-prompts", "4", "192"]))
+    shared = bench_config(parse_args(["--fleet", "--no-crosscheck", "--system-prompts", "4", "192"]))
     assert (shared.system_prompts, shared.system_prompt_tokens) == (4, 192)
     assert shared.max_model_len == 34 * 16  # 256 + 192 system + 64 + 32 tokens
     assert "4 system prompts of 192 tokens" in shared.notes()[2]
     with pytest.raises(BenchmarkInputError, match="system_prompts"):
-        BenchConfig(system_prompts=2)  # a count without a length
+        BenchConfig(system_prompts=2, crosscheck=None)  # a count without a length
+    with pytest.raises(BenchmarkInputError, match="no-crosscheck"):
+        bench_config(parse_args(["--fleet", "--system-prompts", "4", "192"]))
     with pytest.raises(BenchmarkInputError, match="prompt_scale"):
         bench_config(parse_args(["--prompt-scale", "0"]))
     with pytest.raises(BenchmarkInputError, match="output_range"):

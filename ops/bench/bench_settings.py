@@ -92,6 +92,9 @@ class BenchConfig:
                                                                                self.system_prompt_tokens) < 0:
             raise BenchmarkInputError(f"system_prompts={self.system_prompts}, system_prompt_tokens="
                                       f"{self.system_prompt_tokens}: give both (a count and a length) or neither")
+        if self.system_prompts and self.crosscheck is not None:
+            raise BenchmarkInputError("system prompts: the cross-check's `vllm bench serve` dataset has no system "
+                                      "messages, so it would replay other requests; add --no-crosscheck")
         longest = self.prompt_range[1] + self.system_prompt_tokens
         if longest + CHAT_TEMPLATE_TOKENS + self.output_range[1] > self.max_model_len:
             raise BenchmarkInputError(f"the longest prompt ({longest}, system prompt included), its chat template "
