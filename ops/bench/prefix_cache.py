@@ -31,19 +31,24 @@ from ops.bench.metrics import percentile
 from ops.bench.prompts import fit_prompt, load_sharegpt_pairs
 
 
-def chat_prompts(engine: LLMEngine, num_requests: int, num_systems: int, system_tokens: int, prompt_tokens: int,
-                 seed: int = 0) -> list[list[int]]:
-    """Token ids of `num_requests` chats: request i has system prompt i % num_systems and its own user turn."""
+def chat_bursts(engine: LLMEngine, num_bursts: int, num_requests: int, num_systems: int, system_tokens: int,
+                prompt_tokens: int, seed: int = 0) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Token ids of (one short chat per system prompt, `num_bursts` bursts of `num_requests` chats): request
+    i of a burst has system prompt i % num_systems and a user turn of its own, never seen in another burst
+    (only the system prompts repeat)."""
     tok = engine.tokenizer
     encode, decode = tok.encode, tok.decode
-    pairs = load_sharegpt_pairs(num_requests + num_systems + 64, seed=seed)
-    fillers = [p.prompt for p in pairs[num_requests + num_systems:]]
-    systems = [fit_prompt(pairs[num_requests + k].prompt, system_tokens, encode, decode, fillers)[0]
+    users_needed = num_bursts * num_requests
+    pairs = load_sharegpt_pairs(users_needed + num_systems + 64, seed=seed)
+    fillers = [p.prompt for p in pairs[users_needed + num_systems:]]
+    systems = [fit_prompt(pairs[users_needed + k].prompt, system_tokens, encode, decode, fillers)[0]
                for k in range(num_systems)]
-    users = [fit_prompt(pairs[i].prompt, prompt_tokens, encode, decode, fillers)[0] for i in range(num_requests)]
-    return [encode(tok.apply_chat_template([{"role": "system", "content": systems[i % num_systems]},
-                                            {"role": "user", "content": users[i]}]))
-            for i in range(num_requests)]
+    users = [fit_prompt(pairs[i].prompt, prompt_tokens, encode, decode, fillers)[0] for i in range(users_needed)]
+    chat = lambda system, user: encode(tok.apply_chat_template([{"role": "system", "content": system},  # noqa: E731
+                                                                 {"role": "user", "content": user}]))
+    chats = [chat(systems[i % num_requests % num_systems], users[i]) for i in range(users_needed)]
+    warm = [chat(system, "Hello.") for system in systems]
+    return warm, [chats[b * num_requests:(b + 1) * num_requests] for b in range(num_bursts)]
 
 
 def burst(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, tag: str) -> dict:
@@ -66,9 +71,9 @@ def burst(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, tag:
             "prefilled_tokens": prefilled, "hit_share": hits / queried if queried else 0.0}
 
 
-def warm_cache(engine: LLMEngine, prompts: Sequence[list[int]], num_systems: int) -> None:
-    """One request per system prompt first: a server that has run a while holds them."""
-    burst(engine, prompts[:num_systems], 1, "warm")
+def warm_cache(engine: LLMEngine, warm: Sequence[list[int]], tag: str) -> None:
+    """One short chat per system prompt first: a server that has run a while holds them."""
+    burst(engine, warm, 1, tag)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,12 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = dict(model=args.model, dtype=args.dtype, memory_budget="1GiB", max_model_len=512, enable_morphing=False,
                 num_threads=args.threads, max_num_seqs=args.requests)
     engines = {setting: LLMEngine(EngineConfig(**base, enable_prefix_caching=setting == "on")) for setting in ("on", "off")}
-    prompts = chat_prompts(engines["on"], args.requests, args.systems, args.system_tokens, args.prompt_tokens)
+    # Each repeat replays a burst of its own (fresh user turns, the same system prompts) on both engines.
+    warm, bursts = chat_bursts(engines["on"], args.repeats, args.requests, args.systems, args.system_tokens,
+                         args.prompt_tokens)
     runs: dict[str, list[dict]] = {"on": [], "off": []}
-    for r in range(args.repeats):
+    for r, prompts in enumerate(bursts):
         for setting in ("on", "off") if r % 2 == 0 else ("off", "on"):
             engine = engines[setting]
-            warm_cache(engine, prompts, args.systems)
+            warm_cache(engine, warm, f"warm{r}")
             runs[setting].append(burst(engine, prompts, args.max_tokens, f"r{r}"))
             print(setting, r, {k: round(v, 3) for k, v in runs[setting][-1].items()}, flush=True)
     medians = {s: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for s, rs in runs.items()}
@@ -104,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "dtype": engines["on"].full_precision.value},
               "workload": {"requests": args.requests, "systems": args.systems, "system_tokens": args.system_tokens,
                            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                           "prompt_lengths": [len(p) for p in prompts]},
+                           "prompt_lengths": [[len(p) for p in prompts] for prompts in bursts]},
               "runs": runs, "medians": medians, "on_over_off": ratios}
     print(json.dumps({"medians": medians, "on_over_off": ratios}, indent=1))
     if args.out:
