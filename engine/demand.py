@@ -6,13 +6,15 @@ reservation of `reservation_tokens`, capped by its max_tokens:
 
     reserved tokens = min(prompt + max_tokens, max(num_tokens + 1, prompt + reservation_tokens))
 
-    waiting request: needs blocks_for(reserved)            (it holds none)
+    waiting request: needs blocks_for(reserved) - shared    (it holds none; shared: the blocks of its
+                                                             prefix in the cache that other requests hold)
     running request: needs blocks_for(reserved) - held      (its growth inside the reservation)
     to finish:       blocks_for(prompt + max_tokens) - held (the upper bound, reported only)
 
 `available = free - running reserved growth` is what the head of the queue may take without
-squeezing a running request into preemption. The prefill backlog (tokens not yet in the cache) is what
-a new request's first token waits behind. Pure functions of the sequences and block tables.
+squeezing a running request into preemption. The prefill backlog (tokens not yet in the cache, a waiting
+request's cached prefix excluded) is what a new request's first token waits behind. Pure functions of
+the sequences, the block tables and the prefix cache's index.
 """
 from __future__ import annotations
 
@@ -75,8 +77,11 @@ def measure_demand(waiting: Iterable[Sequence], running: Iterable[Sequence], kv:
     if reservation_tokens < 0:
         raise ValueError(f"reservation_tokens must be >= 0, got {reservation_tokens}")
     waiting, running = list(waiting), list(running)
-    queue = tuple(kv.blocks_for(reserved_tokens(s, reservation_tokens)) - len(kv.block_table(s.request_id))
-                  for s in waiting)
+    # A waiting request's prefix already in the cache: blocks other requests hold are shared, not taken from
+    # the free ones, and no cached block is prefilled again (KVCacheManager.cached_prefix_blocks).
+    cached = [_cached_prefix(kv, s) for s in waiting]
+    queue = tuple(kv.blocks_for(reserved_tokens(s, reservation_tokens)) - len(kv.block_table(s.request_id)) - held
+                  for s, (_, held) in zip(waiting, cached))
     reserved = finish = 0
     for s in running:
         held = len(kv.block_table(s.request_id))
@@ -85,11 +90,20 @@ def measure_demand(waiting: Iterable[Sequence], running: Iterable[Sequence], kv:
     return Demand(waiting_blocks=tuple(max(0, b) for b in queue), running_reserved_blocks=reserved,
                   running_finish_blocks=finish, free_blocks=kv.num_free_blocks,
                   admissible_now=admissible_now(waiting, running, token_budget, max_seqs),
-                  prefill_backlog_tokens=prefill_backlog(waiting, running))
+                  prefill_backlog_tokens=prefill_backlog(waiting, running, [n * kv.block_size for n, _ in cached]))
 
 
-def prefill_backlog(waiting: list[Sequence], running: list[Sequence]) -> int:
-    """Tokens the engine must prefill before it reaches a request arriving now: everything queued, and
-    what running requests have left of their prompts (a decoding request's one uncomputed token is
-    its next step, not backlog)."""
-    return sum(s.num_uncomputed_tokens for s in waiting) + sum(max(0, s.num_uncomputed_tokens - 1) for s in running)
+def _cached_prefix(kv: KVCacheManager, seq: Sequence) -> tuple[int, int]:
+    if seq.num_computed_tokens or seq.params.prompt_logprobs is not None:  # as Scheduler._take_cached_prefix
+        return 0, 0
+    return kv.cached_prefix_blocks(seq.request_id, seq.token_slice(0, seq.num_tokens))
+
+
+def prefill_backlog(waiting: list[Sequence], running: list[Sequence], waiting_cached: Sequence[int] = ()) -> int:
+    """Tokens the engine must prefill before it reaches a request arriving now: everything queued (less
+    the tokens each waiting request finds in the prefix cache, `waiting_cached`), and what running
+    requests have left of their prompts (a decoding request's one uncomputed token is its next step,
+    not backlog)."""
+    cached = list(waiting_cached) + [0] * (len(waiting) - len(waiting_cached))
+    return (sum(s.num_uncomputed_tokens - c for s, c in zip(waiting, cached))
+            + sum(max(0, s.num_uncomputed_tokens - 1) for s in running))

@@ -25,6 +25,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[int]] = {}
         self._digests: dict[str, list[bytes]] = {}  # per request: digests of its first full, computed blocks
+        # Per waiting request: (its token count, the digests of the full blocks it could find cached), kept
+        # until it is freed: the demand is measured after every step, and its tokens change only by a preemption.
+        self._lookup: dict[str, tuple[int, list[bytes]]] = {}
         self.prefix_queried_tokens = 0  # prompt tokens of admitted requests that looked in the cache
         self.prefix_hit_tokens = 0  # of those, tokens found there (their prefill was skipped)
 
@@ -52,6 +55,7 @@ class KVCacheManager:
         """Drop the request's hold on every block (a no-op for a request that holds none)."""
         table = self._tables.pop(request_id, None)
         self._digests.pop(request_id, None)
+        self._lookup.pop(request_id, None)
         if table:
             self.pool.free(table)
 
@@ -73,13 +77,30 @@ class KVCacheManager:
         to compute (its logits give the next token), so a block holding it is never taken."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
-        digests = chain_digests(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size)
+        digests = self._lookup_digests(request_id, token_ids)
         ids = self.pool.cached_prefix(digests)
         if ids:
             self.pool.acquire(ids)
             self._tables[request_id] = list(ids)
             self._digests[request_id] = digests[:len(ids)]
         return len(ids) * self.block_size
+
+    def cached_prefix_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, int]:
+        """For a request that holds no blocks: (the cached blocks it would share if admitted now, how many
+        of those other requests hold). Only the held ones spare free blocks: taking a cached free block
+        takes it from the free blocks as a fresh one would; every one spares its prefill."""
+        if not self.enable_prefix_caching or self._tables.get(request_id):
+            return 0, 0
+        ids = self.pool.cached_prefix(self._lookup_digests(request_id, token_ids))
+        return len(ids), sum(1 for i in ids if self.pool.ref_count(i) > 0)
+
+    def _lookup_digests(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+        """The digests of the request's full blocks before its last token (the one always computed)."""
+        kept = self._lookup.get(request_id)
+        if kept is None or kept[0] != len(token_ids):
+            kept = (len(token_ids), chain_digests(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size))
+            self._lookup[request_id] = kept
+        return kept[1]
 
     def count_lookup(self, num_tokens: int, num_cached: int) -> None:
         """Counts an admitted request's lookup (its prompt tokens, those found): the hit rate's figures."""

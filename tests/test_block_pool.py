@@ -85,32 +85,39 @@ def test_manager_tables_and_remap():
     kv.check_integrity()
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "free", "grow", "shrink"]), st.integers(0, 12)),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "share", "free", "grow", "shrink"]), st.integers(0, 12)),
                max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops)
-def test_random_operations_keep_integrity_and_live_ids_stable(operations):
-    pool = BlockPool(capacity=8, max_blocks=32)
-    owned: dict[int, list[int]] = {}  # owner -> ids; what each owner believes it holds
+def test_random_operations_with_sharing_keep_integrity(operations):
+    """Each owner holds a list of blocks; the pool's reference counts always equal the owners' holdings."""
+    pool = BlockPool(capacity=8, max_blocks=16)
+    owned: dict[int, list[int]] = {}
+    digests = iter(bytes([i % 256, i // 256]) * 16 for i in range(10_000))
+    registered: list[bytes] = []
     next_owner = 0
     for op, n in operations:
-        if op == "alloc":
-            ids = pool.allocate(n)
-            if ids is not None:
-                owned[next_owner] = ids
-                next_owner += 1
+        if op == "alloc" and (ids := pool.allocate(n)) is not None:
+            for i in ids[: n // 2]:  # index some of them, as computed full blocks are
+                registered.append(next(digests))
+                pool.register(i, registered[-1])
+            owned[next_owner], next_owner = ids, next_owner + 1
+        elif op == "share":  # another request takes up to n of the blocks still indexed
+            indexed = [i for d in registered for i in pool.cached_prefix([d])][:n]
+            pool.acquire(indexed)
+            owned[next_owner], next_owner = indexed, next_owner + 1
         elif op == "free" and owned:
             pool.free(owned.pop(sorted(owned)[n % len(owned)]))
         elif op == "grow":
             pool.grow(min(n, pool.max_blocks - pool.capacity))
         elif op == "shrink":
             new_cap = max(0, pool.capacity - n)
-            mapping = pool.plan_shrink(new_cap)
-            if mapping is not None:
+            if (mapping := pool.plan_shrink(new_cap)) is not None:
                 pool.apply_shrink(mapping, new_cap)
                 owned = {o: [mapping.get(i, i) for i in ids] for o, ids in owned.items()}
         pool.check_integrity()
-        # Only a shrink's mapping may move a live block; otherwise ids stay where they were.
-        assert sorted(i for ids in owned.values() for i in ids) == pool.used_ids()
+        held = [i for ids in owned.values() for i in ids]
+        assert sorted(set(held)) == pool.used_ids()
+        assert all(pool.ref_count(i) == held.count(i) for i in set(held))

@@ -3,7 +3,6 @@ scheduler starting a request after its cached prefix, and the engine's outputs u
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
@@ -67,44 +66,6 @@ def test_shrink_moves_an_indexed_block_with_its_digest_and_drops_cached_blocks_a
     assert pool.cached_prefix([D[4]]) == []  # was above the new top
     assert pool.num_cached == 1 and pool.capacity == 3
     pool.check_integrity()
-
-
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "share", "free", "grow", "shrink"]), st.integers(0, 12)),
-               max_size=60)
-
-
-@settings(max_examples=150, deadline=None)
-@given(ops)
-def test_random_operations_with_sharing_keep_integrity(operations):
-    """Each owner holds a list of blocks; the pool's reference counts always equal the owners' holdings."""
-    pool = BlockPool(capacity=8, max_blocks=16)
-    owned: dict[int, list[int]] = {}
-    digests = iter(bytes([i % 256, i // 256]) * 16 for i in range(10_000))
-    registered: list[bytes] = []
-    next_owner = 0
-    for op, n in operations:
-        if op == "alloc" and (ids := pool.allocate(n)) is not None:
-            for i in ids[: n // 2]:  # index some of them, as computed full blocks are
-                registered.append(next(digests))
-                pool.register(i, registered[-1])
-            owned[next_owner], next_owner = ids, next_owner + 1
-        elif op == "share":  # another request takes up to n of the blocks still indexed
-            indexed = [i for d in registered for i in pool.cached_prefix([d])][:n]
-            pool.acquire(indexed)
-            owned[next_owner], next_owner = indexed, next_owner + 1
-        elif op == "free" and owned:
-            pool.free(owned.pop(sorted(owned)[n % len(owned)]))
-        elif op == "grow":
-            pool.grow(min(n, pool.max_blocks - pool.capacity))
-        elif op == "shrink":
-            new_cap = max(0, pool.capacity - n)
-            if (mapping := pool.plan_shrink(new_cap)) is not None:
-                pool.apply_shrink(mapping, new_cap)
-                owned = {o: [mapping.get(i, i) for i in ids] for o, ids in owned.items()}
-        pool.check_integrity()
-        held = [i for ids in owned.values() for i in ids]
-        assert sorted(set(held)) == pool.used_ids()
-        assert all(pool.ref_count(i) == held.count(i) for i in set(held))
 
 
 def _sched(capacity=16, block_size=4, budget=64):
@@ -187,3 +148,22 @@ def test_engine_preemption_with_the_cache_equals_without(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, memory_budget=plan.weights + plan.reserve + 24 * plan.block_bytes)
     assert generate(engine, prompts) == off
     assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hit_tokens > 0
+
+
+def test_demand_counts_a_waiting_prefix_others_hold_as_shared_and_no_cached_prefix_as_backlog():
+    from engine.demand import measure_demand
+
+    sched, kv = _sched(capacity=16)
+    shared = list(range(100, 116))  # 4 blocks
+    sched.add(Sequence("a", shared + [1], SamplingParams(max_tokens=4), 0.0))
+    _finish_prefill(sched, kv)  # a holds 5 blocks, the first 4 indexed
+    waiting = Sequence("w", shared + [2, 3], SamplingParams(max_tokens=4), 0.0)  # 18 tokens + 4 reserved: 6 blocks
+    stranger = Sequence("s", list(range(300, 318)), SamplingParams(max_tokens=4), 0.0)
+    sched.waiting.extend([waiting, stranger])
+    demand = measure_demand(sched.waiting, sched.running, kv, 4, 64, 8)
+    assert demand.waiting_blocks == (6 - 4, 6)  # a holds w's 4 prefix blocks: only 2 are new
+    assert demand.prefill_backlog_tokens == (18 - 16) + 18
+    sched.remove(sched.running[0])  # a finishes: its blocks stay cached, but free
+    demand = measure_demand(sched.waiting, [], kv, 4, 64, 8)
+    assert demand.waiting_blocks == (6, 6)  # taking a cached free block takes a free block
+    assert demand.prefill_backlog_tokens == (18 - 16) + 18  # ... and still spares its prefill

@@ -127,7 +127,17 @@ def test_chat_stream_order_and_usage():
     assert [c["choices"][0]["delta"] for c in last[:2]] == [{"content": "b"}, {}]
     assert last[1]["choices"][0]["finish_reason"] == "length"
     usage = fmt.usage_chunk(p.usage_of([3], {0: _chunk("b", "length", out=2)}))
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_usage_counts_each_prompts_cached_tokens_once_from_its_first_choice():
+    # Two prompts of 40 and 50 tokens, n=2: choices 0, 1 are the first prompt's, 2, 3 the second's. A
+    # prompt's second choice finds it cached because of its first; usage counts the prompt once.
+    chunks = {i: GenerateChunk("r", "", (), "length", prompt, 4, num_cached_tokens=cached)
+              for i, (prompt, cached) in enumerate([(40, 16), (40, 32), (50, 0), (50, 48)])}
+    usage = p.usage_of([40, 50], chunks)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (90, 16, 16)
 
 
 def test_stream_chunks_carry_no_usage_key_unless_asked():
