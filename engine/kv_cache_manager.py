@@ -5,7 +5,9 @@ Prefix caching (when enabled): a request that holds no blocks may start with the
 match its first tokens (`take_cached_prefix`; they are shared, never written: a request writes K/V
 only at positions after its computed tokens, which lie past its full shared blocks). As its K/V are
 computed, each newly full block is registered under its digest (`cache_computed`), so later requests,
-and this one after a preemption, can share it.
+and this one after a preemption, can share it. Digests carry `precision_tag`, the layer precisions of the
+step that computed the block (set by the engine after every morph): a request finds only blocks computed
+at the precisions the engine runs now (engine/prefix_hash.py says why).
 """
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.precision_tag = b""  # the layer precisions of the steps from now on (prefix_hash.precision_tag)
         self._tables: dict[str, list[int]] = {}
         self._digests: dict[str, list[bytes]] = {}  # per request: digests of its first full, computed blocks
-        # Per waiting request: (its token count, the digests of the full blocks it could find cached), kept
-        # until it is freed: the demand is measured after every step, and its tokens change only by a preemption.
-        self._lookup: dict[str, tuple[int, list[bytes]]] = {}
+        # Per waiting request: (its token count, the tag, the digests of the full blocks it could find cached),
+        # kept until it is freed: the demand is measured after every step; its tokens change only by a
+        # preemption, the tag only by a morph.
+        self._lookup: dict[str, tuple[int, bytes, list[bytes]]] = {}
         self.prefix_queried_tokens = 0  # prompt tokens of admitted requests that looked in the cache
         self.prefix_hit_tokens = 0  # of those, tokens found there (their prefill was skipped)
 
@@ -97,10 +101,11 @@ class KVCacheManager:
     def _lookup_digests(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
         """The digests of the request's full blocks before its last token (the one always computed)."""
         kept = self._lookup.get(request_id)
-        if kept is None or kept[0] != len(token_ids):
-            kept = (len(token_ids), chain_digests(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size))
+        if kept is None or kept[:2] != (len(token_ids), self.precision_tag):
+            n = (len(token_ids) - 1) // self.block_size
+            kept = (len(token_ids), self.precision_tag, chain_digests(token_ids, self.block_size, n, tag=self.precision_tag))
             self._lookup[request_id] = kept
-        return kept[1]
+        return kept[2]
 
     def count_lookup(self, num_tokens: int, num_cached: int) -> None:
         """Counts an admitted request's lookup (its prompt tokens, those found): the hit rate's figures."""
@@ -119,7 +124,8 @@ class KVCacheManager:
         full = min(num_computed // self.block_size, len(table))
         while len(digests) < full:
             i, bs = len(digests), self.block_size
-            digests.append(block_digest(digests[-1] if digests else ROOT, token_slice(i * bs, (i + 1) * bs)))
+            digests.append(block_digest(digests[-1] if digests else ROOT, token_slice(i * bs, (i + 1) * bs),
+                                        self.precision_tag))
             self.pool.register(table[i], digests[-1])
 
     # -- figures -----------------------------------------------------------------------------

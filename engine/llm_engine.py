@@ -20,6 +20,7 @@ from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.morph.actions import ActionResult, MorphAction, MorphState
 from engine.morph.admission import AdmissionGrant, AdmissionMorpher
 from engine.outputs import RequestOutput, StepResult
+from engine.prefix_hash import precision_tag
 from engine.pressure import PressureSnapshot
 from engine.request_extras import (ChunkResult, chunks_needing_every_row, commit_extras, compute_prompt_logprobs,
                                    compute_sampled_logprobs, row_context)
@@ -53,6 +54,7 @@ class LLMEngine:
         self._grammar: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._tag_prefix_cache()  # an engine may start with layers quantized
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -171,7 +173,15 @@ class LLMEngine:
             admitted = self.admission.at_boundary(time.monotonic())
             if admitted is not None:
                 results.append(admitted)
+        if results:
+            self._tag_prefix_cache()
         return tuple(results)
+
+    def _tag_prefix_cache(self) -> None:
+        """Blocks computed from now on are cached under the layer precisions in force (engine/prefix_hash.py)."""
+        if self.morph_executor is not None:
+            self.kv_manager.precision_tag = precision_tag(self.morph_executor.morph_state().layer_precisions,
+                                                          self.full_precision)
 
     def _mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
         for c in out.chunks:
@@ -287,7 +297,9 @@ class LLMEngine:
         if self.morph_executor is None:
             return ActionResult(action=action, status="rejected",
                                 message="morphing is disabled (no morph executor on this engine)")
-        return self.morph_executor.apply(action)
+        result = self.morph_executor.apply(action)
+        self._tag_prefix_cache()
+        return result
 
     def set_admission_grant(self, grant: AdmissionGrant | None) -> None:
         """What admission-time morphing may do until the next directive (None: nothing)."""

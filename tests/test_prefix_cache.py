@@ -10,6 +10,7 @@ from engine.prefix_hash import ROOT, block_digest, chain_digests
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from tests.morph_helpers import one_thread  # noqa: F401 (a fixture)
 from tests.test_engine import generate, mixed_prompts, tiny_engine
 
 D = [bytes([i]) * 32 for i in range(8)]  # stand-in digests
@@ -167,3 +168,40 @@ def test_demand_counts_a_waiting_prefix_others_hold_as_shared_and_no_cached_pref
     demand = measure_demand(sched.waiting, [], kv, 4, 64, 8)
     assert demand.waiting_blocks == (6, 6)  # taking a cached free block takes a free block
     assert demand.prefill_backlog_tokens == (18 - 16) + 18  # ... and still spares its prefill
+
+
+def test_a_block_is_found_only_under_the_layer_precisions_it_was_computed_at():
+    sched, kv = _sched()
+    shared = list(range(100, 112))
+    kv.precision_tag = b"int4,fp32"  # a morphed engine computes the first request's blocks
+    sched.add(Sequence("a", shared + [1], SamplingParams(max_tokens=4), 0.0))
+    _finish_prefill(sched, kv)
+    restored = Sequence("b", shared + [2], SamplingParams(max_tokens=4), 0.0)
+    kv.precision_tag = b""  # restored: K/V computed with quantized layers are not exact any more
+    assert kv.cached_prefix_blocks("b", restored.token_slice(0, restored.num_tokens)) == (0, 0)
+    kv.precision_tag = b"int4,fp32"  # the same morph again: they are
+    assert kv.cached_prefix_blocks("b", restored.token_slice(0, restored.num_tokens)) == (3, 3)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_engine_that_restored_reads_no_block_computed_while_morphed(tiny_model_dir, tmp_path):
+    from engine.morph.actions import RestoreLayer, SwapLayer
+    from engine.precision import Precision
+    from tests.morph_helpers import engine_for
+
+    engine = engine_for(tiny_model_dir, tmp_path)
+    prompt = list(range(40, 61))  # 5 full blocks of 4 before the last token
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def cached(rid: str) -> int:
+        engine.add_request(rid, prompt, params)
+        found = None
+        while engine.has_unfinished():
+            found = next((o.num_cached_tokens for o in engine.step().outputs if o.request_id == rid), found)
+        return found
+
+    assert engine.apply(SwapLayer(0, Precision.INT4)).status == "done"
+    assert (cached("morphed-1"), cached("morphed-2")) == (0, 20)
+    assert engine.apply(RestoreLayer(0)).status == "done"
+    assert (cached("full-1"), cached("full-2")) == (0, 20)  # computed again at full precision, then shared
+    engine.check_integrity()
