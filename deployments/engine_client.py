@@ -52,6 +52,7 @@ class GenerateRequest:
     logprobs: int | None = None  # top logprobs per sampled token (None: none at all)
     prompt_logprobs: int | None = None  # the same per prompt token (echo with logprobs)
     structured_output: StructuredOutput | None = None
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.sampling_params.SamplingParams.create."""

@@ -85,7 +85,7 @@ from typing import Any, Hashable
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from engine.prefix_hash import chain_digests
+from engine.prefix_hash import chain_digests, root
 
 ROUTER_IMPORT_PATH = "deployments.router:PressureAwareRouter"
 DECISIONS_METRIC = "morphserve_router_decisions"  # counter, tag `decision`
@@ -247,9 +247,9 @@ class PrefixAffinity:
         self._seen: dict[Hashable, collections.OrderedDict[bytes, None]] = collections.defaultdict(collections.OrderedDict)
 
     @staticmethod
-    def digests(prompt_token_ids, block_size: int) -> list[bytes]:
+    def digests(prompt_token_ids, block_size: int, cache_salt: str | None = None) -> list[bytes]:
         """The prompt's full blocks the engine could find cached: all but one holding its last token."""
-        return chain_digests(prompt_token_ids, block_size, (len(prompt_token_ids) - 1) // block_size)
+        return chain_digests(prompt_token_ids, block_size, (len(prompt_token_ids) - 1) // block_size, root(cache_salt))
 
     def matched_tokens(self, replica_id: Hashable, digests: list[bytes], block_size: int) -> int:
         """Tokens of the longest run of `digests`, from the first, sent to that replica lately."""
@@ -312,15 +312,13 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         hit = self._expected_hit(replica_id, load, request)  # before recording: what it finds there now
         self._in_flight.record(replica_id, time.time(), Sent(load.blocks_for(prompt, request.max_tokens), prompt - hit))
         if load.prefix_caching:
-            self._affinity.record(replica_id, PrefixAffinity.digests(request.prompt_token_ids, load.block_size),
-                                  keep=load.capacity_blocks)
+            self._affinity.record(replica_id, _digests(request, load), keep=load.capacity_blocks)
 
     def _expected_hit(self, replica_id: Any, load: ReplicaLoad, request: Any) -> int:
         """Prompt tokens the request likely finds in that replica's prefix cache (0 where it does not cache)."""
         if not load.prefix_caching:
             return 0
-        digests = PrefixAffinity.digests(request.prompt_token_ids, load.block_size)
-        return self._affinity.matched_tokens(replica_id, digests, load.block_size)
+        return self._affinity.matched_tokens(replica_id, _digests(request, load), load.block_size)
 
     def _count(self, decision: Decision) -> None:
         try:
@@ -343,6 +341,11 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
             self._choices.inc(1, {"engine_replica": str(getattr(replica_id, "unique_id", replica_id))})
         except Exception:  # metrics must never break routing
             pass
+
+
+def _digests(request: Any, load: ReplicaLoad) -> list[bytes]:
+    """The request's prompt blocks as that replica's prefix cache keys them (its cache_salt included)."""
+    return PrefixAffinity.digests(request.prompt_token_ids, load.block_size, getattr(request, "cache_salt", None))
 
 
 def _generate_request(pending_request: Any) -> Any:

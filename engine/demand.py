@@ -96,7 +96,7 @@ def measure_demand(waiting: Iterable[Sequence], running: Iterable[Sequence], kv:
 def _cached_prefix(kv: KVCacheManager, seq: Sequence) -> tuple[int, int]:
     if seq.num_computed_tokens or seq.params.prompt_logprobs is not None:  # as Scheduler._take_cached_prefix
         return 0, 0
-    return kv.cached_prefix_blocks(seq.request_id, seq.token_slice(0, seq.num_tokens))
+    return kv.cached_prefix_blocks(seq.request_id, seq.token_slice(0, seq.num_tokens), seq.params.cache_salt)
 
 
 def prefill_backlog(waiting: list[Sequence], running: list[Sequence], waiting_cached: Sequence[int] = ()) -> int:

@@ -15,7 +15,7 @@ import collections
 from collections.abc import Callable, Sequence
 
 from engine.block_pool import BlockPool
-from engine.prefix_hash import ROOT, block_digest, chain_digests
+from engine.prefix_hash import block_digest, chain_digests, root
 
 
 class KVCacheManager:
@@ -75,13 +75,14 @@ class KVCacheManager:
                 table[pos] = mapping.get(block, block)
 
     # -- prefix caching ----------------------------------------------------------------------
-    def take_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def take_cached_prefix(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Share into a request that holds no blocks the longest run of cached blocks its tokens start
         with; returns the tokens they hold (its K/V need no computing). The last token is always left
-        to compute (its logits give the next token), so a block holding it is never taken."""
+        to compute (its logits give the next token), so a block holding it is never taken. `cache_salt`:
+        the request's (only blocks computed for requests of the same salt are found)."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
-        digests = self._lookup_digests(request_id, token_ids)
+        digests = self._lookup_digests(request_id, token_ids, cache_salt)
         ids = self.pool.cached_prefix(digests)
         if ids:
             self.pool.acquire(ids)
@@ -89,21 +90,23 @@ class KVCacheManager:
             self._digests[request_id] = digests[:len(ids)]
         return len(ids) * self.block_size
 
-    def cached_prefix_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, int]:
+    def cached_prefix_blocks(self, request_id: str, token_ids: Sequence[int],
+                             cache_salt: str | None = None) -> tuple[int, int]:
         """For a request that holds no blocks: (the cached blocks it would share if admitted now, how many
         of those other requests hold). Only the held ones spare free blocks: taking a cached free block
         takes it from the free blocks as a fresh one would; every one spares its prefill."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0, 0
-        ids = self.pool.cached_prefix(self._lookup_digests(request_id, token_ids))
+        ids = self.pool.cached_prefix(self._lookup_digests(request_id, token_ids, cache_salt))
         return len(ids), sum(1 for i in ids if self.pool.ref_count(i) > 0)
 
-    def _lookup_digests(self, request_id: str, token_ids: Sequence[int]) -> list[bytes]:
+    def _lookup_digests(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
         """The digests of the request's full blocks before its last token (the one always computed)."""
         kept = self._lookup.get(request_id)
         if kept is None or kept[:2] != (len(token_ids), self.precision_tag):
             n = (len(token_ids) - 1) // self.block_size
-            kept = (len(token_ids), self.precision_tag, chain_digests(token_ids, self.block_size, n, tag=self.precision_tag))
+            kept = (len(token_ids), self.precision_tag,
+                    chain_digests(token_ids, self.block_size, n, root(cache_salt), self.precision_tag))
             self._lookup[request_id] = kept
         return kept[2]
 
@@ -112,7 +115,8 @@ class KVCacheManager:
         self.prefix_queried_tokens += num_tokens
         self.prefix_hit_tokens += num_cached
 
-    def cache_computed(self, request_id: str, num_computed: int, token_slice: Callable[[int, int], Sequence[int]]) -> None:
+    def cache_computed(self, request_id: str, num_computed: int, token_slice: Callable[[int, int], Sequence[int]],
+                       cache_salt: str | None = None) -> None:
         """Register the request's blocks that `num_computed` tokens have filled since the last call.
         `token_slice(start, end)`: the request's tokens (prompt, then outputs) in that range."""
         if not self.enable_prefix_caching:
@@ -124,8 +128,8 @@ class KVCacheManager:
         full = min(num_computed // self.block_size, len(table))
         while len(digests) < full:
             i, bs = len(digests), self.block_size
-            digests.append(block_digest(digests[-1] if digests else ROOT, token_slice(i * bs, (i + 1) * bs),
-                                        self.precision_tag))
+            parent = digests[-1] if digests else root(cache_salt)
+            digests.append(block_digest(parent, token_slice(i * bs, (i + 1) * bs), self.precision_tag))
             self.pool.register(table[i], digests[-1])
 
     # -- figures -----------------------------------------------------------------------------

@@ -219,7 +219,7 @@ class LLMEngine:
         for r in sampled:
             seq = self._requests[r.chunk.request_id]
             seq.num_computed_tokens = r.chunk.end_pos
-            self.kv_manager.cache_computed(seq.request_id, seq.num_computed_tokens, seq.token_slice)
+            self.kv_manager.cache_computed(seq.request_id, seq.num_computed_tokens, seq.token_slice, seq.params.cache_salt)
         kept = [(self._requests[r.chunk.request_id], r) for r in sampled]
         self.monitor.record_tokens(now, sum(1 for _, r in kept if r.token is not None))
         for seq, r in kept:

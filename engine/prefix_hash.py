@@ -18,7 +18,13 @@ import array
 import hashlib
 from collections.abc import Sequence
 
-ROOT = b"morphserve-prefix-v1"  # digest_{-1}; a per-request salt would go here
+ROOT = b"morphserve-prefix-v1"  # digest_{-1} of an unsalted request
+
+
+def root(cache_salt: str | None = None) -> bytes:
+    """digest_{-1}: a request's `cache_salt` (vLLM's) starts its own chain, so only requests with the
+    same salt share blocks."""
+    return ROOT if cache_salt is None else hashlib.sha256(ROOT + b"|salt|" + cache_salt.encode()).digest()
 
 
 def precision_tag(layer_precisions: Sequence, full_precision) -> bytes:

@@ -56,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None  # return the sampled token's logprob and this many top ones
     prompt_logprobs: int | None = None  # the same for every prompt token (for echo)
     structured_output: "StructuredOutput | None" = None  # grammar the output must follow
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, INT64_MAX)
@@ -101,6 +102,8 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, "how many top tokens to return")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise InvalidRequestError("structured_output must be a StructuredOutput", param="response_format")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
 
     @property
     def has_penalties(self) -> bool:

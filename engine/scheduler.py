@@ -114,7 +114,7 @@ class Scheduler:
         Not for a request that wants prompt logprobs: they come from the prefill's own logits."""
         if seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
             return 0
-        cached = self.kv.take_cached_prefix(seq.request_id, seq.token_slice(0, seq.num_tokens))
+        cached = self.kv.take_cached_prefix(seq.request_id, seq.token_slice(0, seq.num_tokens), seq.params.cache_salt)
         seq.num_computed_tokens = cached
         return cached
 

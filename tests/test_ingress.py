@@ -83,6 +83,13 @@ def test_completion_body_with_max_tokens(client, engine):
     assert sent.request_id == body["id"] and sent.max_tokens == 4 and sent.temperature == 0.0
 
 
+def test_cache_salt_reaches_the_engine(client, engine):
+    assert client.post(CHAT, json={**user("abc"), "cache_salt": "tenant-7"}).status_code == 200
+    assert engine.requests[-1].cache_salt == "tenant-7"
+    assert client.post(COMPLETIONS, json={"model": MODEL, "prompt": "x"}).status_code == 200
+    assert engine.requests[-1].cache_salt is None
+
+
 def test_completion_defaults_to_16_tokens_and_chat_to_the_context_left(client, engine):
     client.post(COMPLETIONS, json={"model": MODEL, "prompt": "x", "ignore_eos": True})
     assert engine.requests[-1].max_tokens == 16
@@ -183,6 +190,8 @@ BAD_REQUESTS = [
     (CHAT, {**user("x"), "stop": ["a", "b", "c", "d", "e"]}, "stop"),  # the fake engine's limit: 4 strings
     (CHAT, {**user("x"), "stop": ["123456789"]}, "stop"),  # ... of at most 8 characters
     (COMPLETIONS, {"model": MODEL, "prompt": "\ud800"}, "prompt"),
+    (CHAT, {**user("x"), "cache_salt": ""}, "cache_salt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "cache_salt": 7}, "cache_salt"),
 ]
 
 

@@ -79,7 +79,7 @@ def _finish_prefill(sched: Scheduler, kv: KVCacheManager) -> None:
     for c in out.chunks:
         s = next(s for s in sched.running if s.request_id == c.request_id)
         s.num_computed_tokens = c.end_pos
-        kv.cache_computed(s.request_id, s.num_computed_tokens, s.token_slice)
+        kv.cache_computed(s.request_id, s.num_computed_tokens, s.token_slice, s.params.cache_salt)
         if c.needs_logits:
             s.output_token_ids.append(7)
 
@@ -205,3 +205,16 @@ def test_an_engine_that_restored_reads_no_block_computed_while_morphed(tiny_mode
     assert engine.apply(RestoreLayer(0)).status == "done"
     assert (cached("full-1"), cached("full-2")) == (0, 20)  # computed again at full precision, then shared
     engine.check_integrity()
+
+
+def test_only_requests_with_the_same_cache_salt_share_blocks():
+    sched, kv = _sched()
+    shared = list(range(100, 112))
+    sched.add(Sequence("a", shared + [1], SamplingParams(max_tokens=4, cache_salt="tenant-a"), 0.0))
+    _finish_prefill(sched, kv)
+    tokens = tuple(shared + [2])
+    assert kv.cached_prefix_blocks("x", tokens) == (0, 0)  # unsalted
+    assert kv.cached_prefix_blocks("y", tokens, "tenant-b") == (0, 0)
+    assert kv.cached_prefix_blocks("z", tokens, "tenant-a") == (3, 3)
+    with pytest.raises(Exception, match="cache_salt"):
+        SamplingParams(cache_salt="")

@@ -118,6 +118,9 @@ class _SamplingRequest(BaseModel):
     response_format: ResponseFormat | None = None
     tool_choice: Any = None
     user: Text | None = None
+    # vLLM's: salts the prefix cache's keys, so only requests with the same salt share cached blocks (a
+    # tenant's secret: others cannot learn by timing whether a prompt of theirs is cached)
+    cache_salt: Text | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -125,6 +128,13 @@ class _SamplingRequest(BaseModel):
         v = [v] if isinstance(v, str) else v  # OpenAI: a string or a list of strings
         if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
             raise ValueError("stop must be a string or a list of strings")
+        return v
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string (or left out)")
         return v
 
     def check_supported(self) -> None:
@@ -151,7 +161,7 @@ class _SamplingRequest(BaseModel):
                                   "ignore_eos": self.ignore_eos, "seed": self.seed,
                                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                                   "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
-                                  "min_tokens": self.min_tokens, "logit_bias": bias,
+                                  "min_tokens": self.min_tokens, "logit_bias": bias, "cache_salt": self.cache_salt,
                                   "structured_output": self.response_format.structured_output()
                                   if self.response_format else None}
         if self.temperature is not None:
