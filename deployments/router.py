@@ -68,8 +68,8 @@ would prefill before this request's first token, backlog + prompt - hit (without
 hit decides before queue length). A hit counts only on a replica whose queue is at most
 `affinity_queue_gap` requests longer than the shortest, so a popular prefix does not pile every
 request onto one replica; past that, the other replicas take requests and cache the prefix too. It is
-an estimate: the engine evicts cached blocks when it needs room, a morph changes which of them its
-requests may read (blocks are cached per layer precisions, engine/prefix_hash.py), and other ingress
+an estimate: the engine evicts cached blocks when it needs room, a restore hides the blocks computed
+while morphed from its requests (engine/prefix_hash.py), and other ingress
 replicas route too.
 
 Decisions are counted in `morphserve_router_decisions{decision}` (the chosen class, or why the

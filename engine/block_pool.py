@@ -102,15 +102,9 @@ class BlockPool:
                 heapq.heappush(self._free_heap, i)
 
     # -- the prefix cache's index --------------------------------------------------------------
-    def cached_prefix(self, digests: list[bytes]) -> list[int]:
-        """The ids indexed under digests[0], digests[1], ... up to the first digest not indexed."""
-        ids = []
-        for d in digests:
-            i = self._block_of.get(d)
-            if i is None:
-                break
-            ids.append(i)
-        return ids
+    def indexed(self, digest: bytes) -> int | None:
+        """The id indexed under `digest`, if any."""
+        return self._block_of.get(digest)
 
     def acquire(self, ids: list[int]) -> None:
         """One more reference to each indexed block (a cached one comes back into use)."""

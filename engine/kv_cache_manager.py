@@ -5,9 +5,10 @@ Prefix caching (when enabled): a request that holds no blocks may start with the
 match its first tokens (`take_cached_prefix`; they are shared, never written: a request writes K/V
 only at positions after its computed tokens, which lie past its full shared blocks). As its K/V are
 computed, each newly full block is registered under its digest (`cache_computed`), so later requests,
-and this one after a preemption, can share it. Digests carry `precision_tag`, the layer precisions of the
-step that computed the block (set by the engine after every morph): a request finds only blocks computed
-at the precisions the engine runs now (engine/prefix_hash.py says why).
+and this one after a preemption, can share it. Digests carry `precision_tag`: EXACT when the step that
+computed the block had every layer at full precision, MORPHED otherwise (set by the engine after every
+morph). At full precision a request finds only EXACT blocks; morphed, for each block the EXACT one if
+cached, else a MORPHED one (engine/prefix_hash.py says why).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import collections
 from collections.abc import Callable, Sequence
 
 from engine.block_pool import BlockPool
-from engine.prefix_hash import block_digest, chain_digests, root
+from engine.prefix_hash import EXACT, MORPHED, block_digest, chain_digests, root
 
 
 class KVCacheManager:
@@ -25,13 +26,13 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.precision_tag = b""  # the layer precisions of the steps from now on (prefix_hash.precision_tag)
+        self.precision_tag = EXACT  # the tag of the blocks the steps from now on compute (prefix_hash.precision_tag)
         self._tables: dict[str, list[int]] = {}
         self._digests: dict[str, list[bytes]] = {}  # per request: digests of its first full, computed blocks
-        # Per waiting request: (its token count, the tag, the digests of the full blocks it could find cached),
-        # kept until it is freed: the demand is measured after every step; its tokens change only by a
-        # preemption, the tag only by a morph.
-        self._lookup: dict[str, tuple[int, bytes, list[bytes]]] = {}
+        # Per waiting request: (its token count, the EXACT digests of its full blocks before its last token),
+        # kept until it is freed: the demand is measured after every step, and its tokens change only by a
+        # preemption.
+        self._exact: dict[str, tuple[int, list[bytes]]] = {}
         self.prefix_queried_tokens = 0  # prompt tokens of admitted requests that looked in the cache
         self.prefix_hit_tokens = 0  # of those, tokens found there (their prefill was skipped)
 
@@ -59,7 +60,7 @@ class KVCacheManager:
         """Drop the request's hold on every block (a no-op for a request that holds none)."""
         table = self._tables.pop(request_id, None)
         self._digests.pop(request_id, None)
-        self._lookup.pop(request_id, None)
+        self._exact.pop(request_id, None)
         if table:
             self.pool.free(table)
 
@@ -82,12 +83,11 @@ class KVCacheManager:
         the request's (only blocks computed for requests of the same salt are found)."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0
-        digests = self._lookup_digests(request_id, token_ids, cache_salt)
-        ids = self.pool.cached_prefix(digests)
+        digests, ids = self._find_cached(request_id, token_ids, cache_salt)
         if ids:
             self.pool.acquire(ids)
             self._tables[request_id] = list(ids)
-            self._digests[request_id] = digests[:len(ids)]
+            self._digests[request_id] = digests
         return len(ids) * self.block_size
 
     def cached_prefix_blocks(self, request_id: str, token_ids: Sequence[int],
@@ -97,18 +97,37 @@ class KVCacheManager:
         takes it from the free blocks as a fresh one would; every one spares its prefill."""
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return 0, 0
-        ids = self.pool.cached_prefix(self._lookup_digests(request_id, token_ids, cache_salt))
+        _, ids = self._find_cached(request_id, token_ids, cache_salt)
         return len(ids), sum(1 for i in ids if self.pool.ref_count(i) > 0)
 
-    def _lookup_digests(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
-        """The digests of the request's full blocks before its last token (the one always computed)."""
-        kept = self._lookup.get(request_id)
-        if kept is None or kept[:2] != (len(token_ids), self.precision_tag):
+    def _find_cached(self, request_id: str, token_ids: Sequence[int],
+                     cache_salt: str | None) -> tuple[list[bytes], list[int]]:
+        """(digests, ids) of the longest run of cached blocks the tokens start with, before the last token:
+        each block the EXACT one, or, while the engine is morphed, a MORPHED one where no EXACT one is cached."""
+        exact = self._exact_digests(request_id, token_ids, cache_salt)
+        digests, ids, bs = [], [], self.block_size
+        for i, digest in enumerate(exact):
+            parent, tokens = digests[-1] if digests else root(cache_salt), token_ids[i * bs:(i + 1) * bs]
+            if digests and parent != exact[i - 1]:  # the run left the EXACT chain: its own keys from here
+                digest = block_digest(parent, tokens, EXACT)
+            block = self.pool.indexed(digest)
+            if block is None and self.precision_tag == MORPHED:
+                digest = block_digest(parent, tokens, MORPHED)
+                block = self.pool.indexed(digest)
+            if block is None:
+                break
+            digests.append(digest)
+            ids.append(block)
+        return digests, ids
+
+    def _exact_digests(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
+        """The EXACT digests of the request's full blocks before its last token (the one always computed)."""
+        kept = self._exact.get(request_id)
+        if kept is None or kept[0] != len(token_ids):
             n = (len(token_ids) - 1) // self.block_size
-            kept = (len(token_ids), self.precision_tag,
-                    chain_digests(token_ids, self.block_size, n, root(cache_salt), self.precision_tag))
-            self._lookup[request_id] = kept
-        return kept[2]
+            kept = (len(token_ids), chain_digests(token_ids, self.block_size, n, root(cache_salt), EXACT))
+            self._exact[request_id] = kept
+        return kept[1]
 
     def count_lookup(self, num_tokens: int, num_cached: int) -> None:
         """Counts an admitted request's lookup (its prompt tokens, those found): the hit rate's figures."""

@@ -7,10 +7,12 @@ block up to it was computed under the same tag. sha256, not Python's hash: a col
 request another's K/V, and Python's tuple hash of small ints can be forged by a client (vLLM moved to
 sha256 for the same reason).
 
-The tag is the layer precisions the block's K/V were computed at (`precision_tag`; empty at full
-precision): K/V computed while layers were quantized are not exact for a full-precision model, so once
-an engine restores, no request reads them again; they age out of the cache unused. A morphed engine
-reuses only what was computed at its current precisions.
+The tag says whether the block's K/V were computed with every layer at full precision (EXACT) or
+while some were quantized (MORPHED; `precision_tag`). K/V computed while morphed are not exact for the
+full-precision model, so an engine at full precision reads only EXACT blocks: once it restores, no
+request reads K/V computed while it was morphed, and they age out of the cache unused. A morphed engine
+reads either, EXACT first (KVCacheManager): its answers are approximate already, whichever morph
+computed the K/V, and a burst's morphs do not each throw the cache away.
 """
 from __future__ import annotations
 
@@ -27,11 +29,12 @@ def root(cache_salt: str | None = None) -> bytes:
     return ROOT if cache_salt is None else hashlib.sha256(ROOT + b"|salt|" + cache_salt.encode()).digest()
 
 
+EXACT, MORPHED = b"", b"~"  # the tags: every layer at full precision / some layer quantized
+
+
 def precision_tag(layer_precisions: Sequence, full_precision) -> bytes:
-    """The tag of K/V computed with these layer precisions: b"" when every layer is at full precision."""
-    if all(p == full_precision for p in layer_precisions):
-        return b""
-    return ",".join(str(getattr(p, "value", p)) for p in layer_precisions).encode()
+    """The tag of K/V computed with these layer precisions."""
+    return EXACT if all(p == full_precision for p in layer_precisions) else MORPHED
 
 
 def block_digest(parent: bytes, tokens: Sequence[int], tag: bytes = b"") -> bytes:

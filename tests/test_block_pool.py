@@ -105,7 +105,7 @@ def test_random_operations_with_sharing_keep_integrity(operations):
                 pool.register(i, registered[-1])
             owned[next_owner], next_owner = ids, next_owner + 1
         elif op == "share":  # another request takes up to n of the blocks still indexed
-            indexed = [i for d in registered for i in pool.cached_prefix([d])][:n]
+            indexed = [i for d in registered if (i := pool.indexed(d)) is not None][:n]
             pool.acquire(indexed)
             owned[next_owner], next_owner = indexed, next_owner + 1
         elif op == "free" and owned:

@@ -30,10 +30,10 @@ def test_a_freed_indexed_block_stays_cached_until_an_allocation_needs_it():
     assert not pool.register(ids[0], D[2]) and not pool.register(pool.allocate(1)[0], D[0])  # one each way
     pool.free(ids)
     assert (pool.num_free, pool.num_used, pool.num_cached) == (3, 1, 2)
-    assert pool.cached_prefix([D[0], D[1], D[3]]) == [0, 1]
+    assert [pool.indexed(d) for d in (D[0], D[1], D[3])] == [0, 1, None]
     assert pool.allocate(1) == [3]  # uncached ids first
     assert pool.allocate(1) == [1]  # then the least recently freed cached block: the tail (freed in reverse)
-    assert pool.cached_prefix([D[0], D[1]]) == [0]
+    assert [pool.indexed(d) for d in (D[0], D[1])] == [0, None]
     pool.check_integrity()
 
 
@@ -63,8 +63,8 @@ def test_shrink_moves_an_indexed_block_with_its_digest_and_drops_cached_blocks_a
     mapping = pool.plan_shrink(3)
     assert set(mapping) == {3, 5} and set(mapping.values()) <= {0, 1, 2}
     pool.apply_shrink(mapping, 3)
-    assert pool.cached_prefix([D[5]]) == [mapping[5]] and pool.cached_prefix([D[3]]) == [mapping[3]]
-    assert pool.cached_prefix([D[4]]) == []  # was above the new top
+    assert (pool.indexed(D[5]), pool.indexed(D[3])) == (mapping[5], mapping[3])
+    assert pool.indexed(D[4]) is None  # was above the new top
     assert pool.num_cached == 1 and pool.capacity == 3
     pool.check_integrity()
 
@@ -170,17 +170,27 @@ def test_demand_counts_a_waiting_prefix_others_hold_as_shared_and_no_cached_pref
     assert demand.prefill_backlog_tokens == (18 - 16) + 18  # ... and still spares its prefill
 
 
-def test_a_block_is_found_only_under_the_layer_precisions_it_was_computed_at():
+def test_at_full_precision_only_exact_blocks_are_found_and_morphed_an_exact_one_first():
+    from engine.prefix_hash import EXACT, MORPHED
+
     sched, kv = _sched()
     shared = list(range(100, 112))
-    kv.precision_tag = b"int4,fp32"  # a morphed engine computes the first request's blocks
+    kv.precision_tag = MORPHED  # a morphed engine computes the first request's blocks
     sched.add(Sequence("a", shared + [1], SamplingParams(max_tokens=4), 0.0))
     _finish_prefill(sched, kv)
-    restored = Sequence("b", shared + [2], SamplingParams(max_tokens=4), 0.0)
-    kv.precision_tag = b""  # restored: K/V computed with quantized layers are not exact any more
-    assert kv.cached_prefix_blocks("b", restored.token_slice(0, restored.num_tokens)) == (0, 0)
-    kv.precision_tag = b"int4,fp32"  # the same morph again: they are
-    assert kv.cached_prefix_blocks("b", restored.token_slice(0, restored.num_tokens)) == (3, 3)
+    tokens = tuple(shared + [2])
+    kv.precision_tag = EXACT  # restored: K/V computed with quantized layers are not exact
+    assert kv.cached_prefix_blocks("b", tokens) == (0, 0)
+    kv.precision_tag = MORPHED  # morphed again (by whatever morph): they are read
+    assert kv.cached_prefix_blocks("b", tokens) == (3, 3)
+    kv.precision_tag = EXACT  # an exact copy of the first block, computed at full precision ...
+    sched.add(Sequence("c", shared[:4] + [9, 9, 9, 9, 9], SamplingParams(max_tokens=4), 0.0))
+    _finish_prefill(sched, kv)
+    kv.precision_tag = MORPHED  # ... is what a morphed engine takes first, then the morphed ones after it
+    digests, ids = kv._find_cached("d", tokens, None)
+    assert ids[0] == kv.block_table("c")[0] and len(ids) == 1  # a's next blocks chain from a's own first one
+    assert kv.cached_prefix_blocks("e", tuple(shared[:4] + [9, 9, 9, 9, 9, 1])) == (2, 2)
+    kv.check_integrity()
 
 
 @pytest.mark.usefixtures("one_thread")
