@@ -44,8 +44,10 @@ def chat_bursts(engine: LLMEngine, num_bursts: int, num_requests: int, num_syste
     systems = [fit_prompt(pairs[users_needed + k].prompt, system_tokens, encode, decode, fillers)[0]
                for k in range(num_systems)]
     users = [fit_prompt(pairs[i].prompt, prompt_tokens, encode, decode, fillers)[0] for i in range(users_needed)]
-    chat = lambda system, user: encode(tok.apply_chat_template([{"role": "system", "content": system},  # noqa: E731
-                                                                 {"role": "user", "content": user}]))
+
+    def chat(system: str, user: str) -> list[int]:
+        return encode(tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}]))
+
     chats = [chat(systems[i % num_requests % num_systems], users[i]) for i in range(users_needed)]
     warm = [chat(system, "Hello.") for system in systems]
     return warm, [chats[b * num_requests:(b + 1) * num_requests] for b in range(num_bursts)]
