@@ -187,8 +187,9 @@ def test_at_full_precision_only_exact_blocks_are_found_and_morphed_an_exact_one_
     sched.add(Sequence("c", shared[:4] + [9, 9, 9, 9, 9], SamplingParams(max_tokens=4), 0.0))
     _finish_prefill(sched, kv)
     kv.precision_tag = MORPHED  # ... is what a morphed engine takes first, then the morphed ones after it
-    digests, ids = kv._find_cached("d", tokens, None)
-    assert ids[0] == kv.block_table("c")[0] and len(ids) == 1  # a's next blocks chain from a's own first one
+    assert kv.take_cached_prefix("d", tokens) == 4  # a's next blocks chain from a's own first one, not c's
+    assert kv.block_table("d") == kv.block_table("c")[:1]
+    kv.free("d")
     assert kv.cached_prefix_blocks("e", tuple(shared[:4] + [9, 9, 9, 9, 9, 1])) == (2, 2)
     kv.check_integrity()
 
