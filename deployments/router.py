@@ -65,7 +65,8 @@ and prefills only the rest there. The router remembers, per replica, the block d
 sent (`PrefixAffinity`, an LRU of at most the replica's KV capacity in blocks: its cache cannot hold
 more) and counts the expected hit off that replica's backlog: the key is the prompt tokens the replica
 would prefill before this request's first token, backlog + prompt - hit (without a backlog, -hit: the
-hit decides before queue length). A hit counts only on a replica whose queue is at most
+hit decides before queue length). A hit counts only when it covers a quarter of the prompt or more
+(the chat template's shared opening alone does not), and only on a replica whose queue is at most
 `affinity_queue_gap` requests longer than the shortest, so a popular prefix does not pile every
 request onto one replica; past that, the other replicas take requests and cache the prefix too. It is
 an estimate: the engine evicts cached blocks when it needs room, a restore hides the blocks computed
@@ -101,8 +102,13 @@ FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best f
 TRANSIT_S = 0.05
 # Prefix affinity: how many more queued requests than the shortest queue a replica may have and still get
 # the credit for a cached prefix. A hit saves a prefill (~0.7 s for 128 tokens in fp32 on one AVX2
-# thread), a queued request costs its share of each decode step (a few percent of a step each).
-AFFINITY_QUEUE_GAP = 4
+# thread), a queued request costs its share of each decode step (a few percent of a step each), and
+# every request routed for its hit makes that replica's queue longer than its peers'.
+AFFINITY_QUEUE_GAP = 2
+# ... and how much of the prompt a hit must cover to count: the chat template's opening (its first block:
+# every chat request of a model shares it) is too little to be worth a longer queue (Ray Serve's prefix
+# router has such a match-rate threshold too).
+AFFINITY_MIN_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +194,8 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
     tokens prefilled there before this request's first token: while any replica reports a prefill
     backlog, its backlog now (its stats' prompt tokens yet to prefill + the prompts sent there since, less
     what it prefilled since at its reported speed), less the request's expected prefix-cache hit there
-    (`cached`, in tokens; counted only where the queue is at most `affinity_queue_gap` longer than the
-    shortest); then cost = queue length + the class's penalty, then the better class, then more room
+    (`cached`, in tokens; counted only where it covers AFFINITY_MIN_SHARE of the prompt and the queue is
+    at most `affinity_queue_gap` longer than the shortest); then cost = queue length + the class's penalty, then the better class, then more room
     at full precision; ("stale", []) when any load is missing or older than `stale_after_s`,
     ("no_queue_len", []) when any queue length is unknown. `sent`: what this router sent to each
     replica after its stats were taken."""
@@ -205,7 +211,8 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
     backlog = ({rid: load.backlog_now(sent.get(rid, nothing).tokens, now) for rid, load in loads.items()} if bursting
                else dict.fromkeys(loads, 0.0))
     shortest = min(queue_lens[rid] for rid in loads)
-    hit = {rid: (cached or {}).get(rid, 0) if queue_lens[rid] - shortest <= affinity_queue_gap else 0 for rid in loads}
+    hit = {rid: n if n >= AFFINITY_MIN_SHARE * prompt_tokens and queue_lens[rid] - shortest <= affinity_queue_gap else 0
+           for rid, n in ((rid, (cached or {}).get(rid, 0)) for rid in loads)}
     fits = {rid: fit_class(load, headroom[rid], max(1, load.blocks_for(prompt_tokens, max_tokens)))
             for rid, load in loads.items()}
     order = sorted(loads, key=lambda rid: (backlog[rid] - hit[rid], queue_lens[rid] + penalties.of(fits[rid]),

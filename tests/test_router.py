@@ -192,15 +192,17 @@ def test_the_routers_own_defaults_are_the_apps():
 
 def test_an_expected_prefix_hit_counts_off_the_backlog_and_before_queue_length():
     quiet = {"a": load(20), "b": load(20)}
-    # Nothing backlogged: the replica likely holding 96 of the prompt's tokens wins over a shorter queue...
-    assert rank(quiet, {"a": 3, "b": 1}, cached={"a": 96})[1] == ["a", "b"]
-    # ...unless its queue is more than affinity_queue_gap longer than the shortest.
-    assert rank(quiet, {"a": 6, "b": 1}, cached={"a": 96})[1] == ["b", "a"]
-    assert rank(quiet, {"a": 3, "b": 1}, cached={"a": 96}, affinity_queue_gap=1)[1] == ["b", "a"]
+    # Nothing backlogged: the replica likely holding 48 of the prompt's 64 tokens wins over a shorter queue...
+    assert rank(quiet, {"a": 3, "b": 1}, cached={"a": 48})[1] == ["a", "b"]
+    # ...unless its queue is more than affinity_queue_gap (2) longer than the shortest,
+    assert rank(quiet, {"a": 4, "b": 1}, cached={"a": 48})[1] == ["b", "a"]
+    assert rank(quiet, {"a": 3, "b": 1}, cached={"a": 48}, affinity_queue_gap=1)[1] == ["b", "a"]
+    # ...or the hit covers less than a quarter of the prompt (the chat template's shared opening).
+    assert rank(quiet, {"a": 3, "b": 1}, cached={"a": 15})[1] == ["b", "a"]
     # In a burst the hit is prefill not done: 300 backlogged - 96 cached still loses to 150 backlogged.
     burst = {"a": load(20, prefill=300), "b": load(20, prefill=150)}
-    assert rank(burst, {"a": 1, "b": 1}, cached={"a": 96})[1] == ["b", "a"]
-    assert rank(burst, {"a": 1, "b": 1}, cached={"a": 200})[1] == ["a", "b"]
+    assert rank(burst, {"a": 1, "b": 1}, prompt_tokens=256, cached={"a": 96})[1] == ["b", "a"]
+    assert rank(burst, {"a": 1, "b": 1}, prompt_tokens=256, cached={"a": 200})[1] == ["a", "b"]
 
 
 def test_prefix_affinity_remembers_the_blocks_sent_to_each_replica_up_to_its_capacity():
