@@ -59,8 +59,9 @@ restores sooner.
     stale or missing stats for any candidate, a replica without a cached queue length, or a call
     other than `generate`: Serve's default, power of two choices (the parent class)
 
-Prefix affinity (when the engines cache prefixes, engine/kv_cache_manager.py): a request whose first
-prompt blocks this router recently sent to a replica likely finds them in that replica's prefix cache
+Prefix affinity (`prefix_affinity`, off by default: measured, it found more prefixes cached but did not
+cut SLO misses, README "Prefix caching"; with engines that cache prefixes, engine/kv_cache_manager.py):
+a request whose first prompt blocks this router recently sent to a replica likely finds them in that replica's prefix cache
 and prefills only the rest there. The router remembers, per replica, the block digests of the prompts it
 sent (`PrefixAffinity`, an LRU of at most the replica's KV capacity in blocks: its cache cannot hold
 more) and counts the expected hit off that replica's backlog: the key is the prompt tokens the replica
@@ -276,14 +277,14 @@ class PrefixAffinity:
 
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, stale_after_s: float = 2.0, morphed_penalty: float = 0.0, no_fit_penalty: float = 0.0,
-                         transit_s: float = TRANSIT_S, affinity_queue_gap: int = AFFINITY_QUEUE_GAP,
-                         **kwargs: Any) -> None:
+                         transit_s: float = TRANSIT_S, prefix_affinity: bool = False,
+                         affinity_queue_gap: int = AFFINITY_QUEUE_GAP, **kwargs: Any) -> None:
         """Keyword arguments come from the deployment's `request_router_config.request_router_kwargs`."""
         super().initialize_state(**kwargs)
         self.stale_after_s = stale_after_s
         self.penalties = Penalties(morphed=morphed_penalty, no_fit=no_fit_penalty)
         self._in_flight = InFlight(keep_s=2 * stale_after_s, transit_s=transit_s)
-        self.affinity_queue_gap = affinity_queue_gap
+        self.prefix_affinity, self.affinity_queue_gap = prefix_affinity, affinity_queue_gap
         self._affinity = PrefixAffinity()
         self._decisions = self._choices = None  # the counters, made on first use inside the ingress replica
 
@@ -318,12 +319,12 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         prompt = len(request.prompt_token_ids)
         hit = self._expected_hit(replica_id, load, request)  # before recording: what it finds there now
         self._in_flight.record(replica_id, time.time(), Sent(load.blocks_for(prompt, request.max_tokens), prompt - hit))
-        if load.prefix_caching:
+        if self.prefix_affinity and load.prefix_caching:
             self._affinity.record(replica_id, _digests(request, load), keep=load.capacity_blocks)
 
     def _expected_hit(self, replica_id: Any, load: ReplicaLoad, request: Any) -> int:
         """Prompt tokens the request likely finds in that replica's prefix cache (0 where it does not cache)."""
-        if not load.prefix_caching:
+        if not (self.prefix_affinity and load.prefix_caching):
             return 0
         return self._affinity.matched_tokens(replica_id, _digests(request, load), load.block_size)
 

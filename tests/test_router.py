@@ -171,10 +171,11 @@ def test_requests_sent_during_a_step_count_until_a_report_holds_them():
 def test_the_app_hands_its_router_settings_to_every_router():
     from deployments.app_args import AppArgs
 
-    args = AppArgs(pressure_router=True, router_transit_s=0.2, router_stale_after_s=3.0, router_affinity_queue_gap=2)
+    args = AppArgs(pressure_router=True, router_transit_s=0.2, router_stale_after_s=3.0, router_prefix_affinity=True,
+                   router_affinity_queue_gap=3)
     kwargs = args.request_router_config()["request_router_kwargs"]
     assert kwargs == {"stale_after_s": 3.0, "morphed_penalty": 0.0, "no_fit_penalty": 0.0, "transit_s": 0.2,
-                      "affinity_queue_gap": 2}
+                      "prefix_affinity": True, "affinity_queue_gap": 3}
     assert AppArgs().request_router_config() is None  # Serve's own router unless asked (wave 18)
 
 

@@ -62,6 +62,8 @@ class BenchConfig:
     # --fleet: AppArgs.report_interval_s of the controller systems (how often a replica reports to the
     # controller); None: the app's
     fleet_report_interval_s: float | None = None
+    # --fleet: the pressure router's prefix affinity (AppArgs.router_prefix_affinity) for the controller systems
+    fleet_router_affinity: bool = False
     # Shared prefixes (what prefix caching and the router's prefix affinity are for): every request gets
     # one of `system_prompts` system prompts of `system_prompt_tokens` tokens (0: none, the model's default)
     system_prompts: int = 0
@@ -110,6 +112,8 @@ class BenchConfig:
             overrides["fleet_restore_calm_s"] = self.fleet_restore_calm_s
         if self.fleet_report_interval_s is not None:
             overrides["report_interval_s"] = self.fleet_report_interval_s
+        if self.fleet_router_affinity:
+            overrides["router_prefix_affinity"] = True
         return overrides
 
     def fitting_repeats(self, replay_s: float, elapsed_s: float) -> int:

@@ -80,6 +80,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--fleet-report-interval-s", type=float, default=None, metavar="S",
                     help="--fleet: the controller systems' report_interval_s, how often each replica reports to "
                     "the controller and applies its directive (default: the app's 0.25 s)")
+    ap.add_argument("--fleet-router-affinity", action="store_true", help="--fleet: the pressure router's prefix "
+                    "affinity on (AppArgs.router_prefix_affinity) in the controller systems")
     ap.add_argument("--mean-load", type=float, default=None, help="the replay's mean arrival rate as a fraction of "
                     "the measured capacity (default 0.5; raised when the bursts would not exceed capacity)")
     ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
@@ -112,6 +114,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
                                  ("fleet_report_interval_s", args.fleet_report_interval_s),
                                  ("fleet_restore_calm_s", args.fleet_restore_calm_s),
                                  ("kv_sequences", args.kv_sequences), ("slo_ttft_s", args.slo_ttft_s)) if v is not None}
+    if args.fleet_router_affinity:
+        changes["fleet_router_affinity"] = True
     if args.fleet_restore_quiet_s is not None:  # `off` is AppArgs' None
         changes["fleet_restore_quiet_s"] = None if args.fleet_restore_quiet_s == "off" else args.fleet_restore_quiet_s
     if args.systems:
