@@ -178,7 +178,8 @@ class LLMEngine:
         return tuple(results)
 
     def _tag_prefix_cache(self) -> None:
-        """Blocks computed from now on are cached under the layer precisions in force (engine/prefix_hash.py)."""
+        """Blocks computed from now on are cached as exact or morphed, by the layer precisions in force
+        (engine/prefix_hash.py)."""
         if self.morph_executor is not None:
             self.kv_manager.precision_tag = precision_tag(self.morph_executor.morph_state().layer_precisions,
                                                           self.full_precision)
