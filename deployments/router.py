@@ -196,8 +196,8 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
     backlog, its backlog now (its stats' prompt tokens yet to prefill + the prompts sent there since, less
     what it prefilled since at its reported speed), less the request's expected prefix-cache hit there
     (`cached`, in tokens; counted only where it covers AFFINITY_MIN_SHARE of the prompt and the queue is
-    at most `affinity_queue_gap` longer than the shortest); then cost = queue length + the class's penalty, then the better class, then more room
-    at full precision; ("stale", []) when any load is missing or older than `stale_after_s`,
+    at most `affinity_queue_gap` longer than the shortest); then cost = queue length + the class's
+    penalty, then the better class, then more room at full precision; ("stale", []) when any load is missing or older than `stale_after_s`,
     ("no_queue_len", []) when any queue length is unknown. `sent`: what this router sent to each
     replica after its stats were taken."""
     if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):

@@ -189,7 +189,8 @@ class BlockPool:
         used, cached, free = set(self._refs), set(self._cached), self._free_set
         if len(free) + len(cached) + len(used) != self.capacity:
             problems.append(f"free {len(free)} + cached {len(cached)} + used {len(used)} != capacity {self.capacity}")
-        for name, a, b in (("free and used", free, used), ("free and cached", free, cached), ("cached and used", cached, used)):
+        for name, a, b in (("free and used", free, used), ("free and cached", free, cached),
+                           ("cached and used", cached, used)):
             if a & b:
                 problems.append(f"ids both {name}: {sorted(a & b)}")
         if any(n < 1 for n in self._refs.values()):

@@ -70,7 +70,8 @@ def test_chat_completion_body(client):
     assert body["object"] == "chat.completion" and body["model"] == MODEL and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
                                 "finish_reason": "stop", "logprobs": None}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 0}}  # + eos, as LLMEngine counts it
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # + eos, as LLMEngine counts it
 
 
 def test_completion_body_with_max_tokens(client, engine):
@@ -78,7 +79,8 @@ def test_completion_body_with_max_tokens(client, engine):
     body = r.json()
     assert r.status_code == 200 and body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "abcd" and body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     sent = engine.requests[-1]
     assert sent.request_id == body["id"] and sent.max_tokens == 4 and sent.temperature == 0.0
 

@@ -32,7 +32,8 @@ def test_batched_prompts_times_n_are_numbered_as_vllm(client, engine):
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in body["choices"]] == ["ab", "ab", "xyz", "xyz"]  # the fake echoes its prompt
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3 + 3 + 4 + 4, "total_tokens": 19, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3 + 3 + 4 + 4, "total_tokens": 19,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     ids = [q.request_id for q in engine.requests]
     assert len(set(ids)) == 4 and all(i.startswith(body["id"]) for i in ids)
     assert sorted(q.seed for q in engine.requests) == [10, 10, 11, 11]  # choice j: seed + j

@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     medians = {s: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for s, rs in runs.items()}
     ratios = {k: medians["on"][k] / medians["off"][k] for k in ("wall_s", "ttft_p50_s", "ttft_p95_s", "prefilled_tokens")}
     result = {"command": " ".join([sys.executable, "-m", "ops.bench.prefix_cache", *(argv or sys.argv[1:])]),
-              "machine": {"cpu": platform.processor() or platform.machine(), "capability": detect_capability("cpu").as_dict(),
+              "machine": {"cpu": platform.processor() or platform.machine(),
+                          "capability": detect_capability("cpu").as_dict(),
                           "loadavg_1_5_15": list(os.getloadavg()), "threads": args.threads,
                           "dtype": engines["on"].full_precision.value},
               "workload": {"requests": args.requests, "systems": args.systems, "system_tokens": args.system_tokens,
