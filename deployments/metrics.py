@@ -162,8 +162,7 @@ class ServeMetrics:
         self.model_name = model_name
         self.backend = backend if backend is not None else default_backend()
         self._tags = {"model_name": model_name}
-        self._last_preemptions = 0
-        self._last_prefix = (0, 0)  # the snapshot's prefix-cache totals (queries, hits) counted so far
+        self._counted: dict[str, int] = {}  # per counter fed from a snapshot's running total: the total counted so far
         b, m = self.backend, ("model_name",)
         self.ttft = b.histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS, m)
         self.itl = b.histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS, m)
@@ -238,18 +237,17 @@ class ServeMetrics:
         ledger = snapshot.ledger
         for kind in ("budget", "weights", "kv", "reserve"):
             self.memory.set(getattr(ledger, kind), self._t(kind=kind))
-        # The snapshot carries a running total; the counter gets the increase since the last one.
-        increase = snapshot.preemptions_total - self._last_preemptions
-        if increase > 0:
-            self.preemptions.inc(increase, self._t())
-        self._last_preemptions = snapshot.preemptions_total
-        queries, hits = snapshot.prefix_cache_queries_total, snapshot.prefix_cache_hits_total
-        if queries > self._last_prefix[0]:
-            self.prefix_queries.inc(queries - self._last_prefix[0], self._t())
-        if hits > self._last_prefix[1]:
-            self.prefix_hits.inc(hits - self._last_prefix[1], self._t())
-        self._last_prefix = (queries, hits)
+        self._count_total("preemptions", self.preemptions, snapshot.preemptions_total)
+        self._count_total("prefix_queries", self.prefix_queries, snapshot.prefix_cache_queries_total)
+        self._count_total("prefix_hits", self.prefix_hits, snapshot.prefix_cache_hits_total)
         self.kv_cached.set(snapshot.kv_cached_blocks, self._t())
+
+    def _count_total(self, name: str, counter, total: int) -> None:
+        """The snapshot carries a running total; the counter gets the increase since the last one."""
+        increase = total - self._counted.get(name, 0)
+        if increase > 0:
+            counter.inc(increase, self._t())
+        self._counted[name] = total
 
     def set_morph_state(self, state: MorphState) -> None:
         for precision in ("int8", "int4"):

@@ -297,7 +297,8 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         loads = {r.replica_id: ReplicaLoad.from_stats(r.routing_stats) for r in candidate_replicas}
         queue_lens = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas}
         sent = {rid: self._in_flight.since(rid, load.taken_at) for rid, load in loads.items() if load is not None}
-        cached = {rid: self._expected_hit(rid, load, request) for rid, load in loads.items() if load is not None}
+        digests = _PromptDigests(request)  # one chain per block size, not one per replica
+        cached = {rid: self._expected_hit(rid, load, digests) for rid, load in loads.items() if load is not None}
         decision, order = rank_replicas(loads, queue_lens, len(request.prompt_token_ids), sent, now,
                                         self.stale_after_s, request.max_tokens, self.penalties, cached,
                                         self.affinity_queue_gap)
@@ -317,16 +318,17 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         if load is None:
             return
         prompt = len(request.prompt_token_ids)
-        hit = self._expected_hit(replica_id, load, request)  # before recording: what it finds there now
+        digests = _PromptDigests(request)
+        hit = self._expected_hit(replica_id, load, digests)  # before recording: what it finds there now
         self._in_flight.record(replica_id, time.time(), Sent(load.blocks_for(prompt, request.max_tokens), prompt - hit))
         if self.prefix_affinity and load.prefix_caching:
-            self._affinity.record(replica_id, _digests(request, load), keep=load.capacity_blocks)
+            self._affinity.record(replica_id, digests.of(load.block_size), keep=load.capacity_blocks)
 
-    def _expected_hit(self, replica_id: Any, load: ReplicaLoad, request: Any) -> int:
+    def _expected_hit(self, replica_id: Any, load: ReplicaLoad, digests: "_PromptDigests") -> int:
         """Prompt tokens the request likely finds in that replica's prefix cache (0 where it does not cache)."""
         if not (self.prefix_affinity and load.prefix_caching):
             return 0
-        return self._affinity.matched_tokens(replica_id, _digests(request, load), load.block_size)
+        return self._affinity.matched_tokens(replica_id, digests.of(load.block_size), load.block_size)
 
     def _count(self, decision: Decision) -> None:
         try:
@@ -351,9 +353,18 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
             pass
 
 
-def _digests(request: Any, load: ReplicaLoad) -> list[bytes]:
-    """The request's prompt blocks as that replica's prefix cache keys them (its cache_salt included)."""
-    return PrefixAffinity.digests(request.prompt_token_ids, load.block_size, getattr(request, "cache_salt", None))
+class _PromptDigests:
+    """A request's prompt blocks as a replica's prefix cache keys them (its cache_salt included), computed
+    on first use per block size."""
+
+    def __init__(self, request: Any):
+        self.request, self._by_size = request, {}
+
+    def of(self, block_size: int) -> list[bytes]:
+        if block_size not in self._by_size:
+            self._by_size[block_size] = PrefixAffinity.digests(self.request.prompt_token_ids, block_size,
+                                                               getattr(self.request, "cache_salt", None))
+        return self._by_size[block_size]
 
 
 def _generate_request(pending_request: Any) -> Any:

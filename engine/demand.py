@@ -94,16 +94,15 @@ def measure_demand(waiting: Iterable[Sequence], running: Iterable[Sequence], kv:
 
 
 def _cached_prefix(kv: KVCacheManager, seq: Sequence) -> tuple[int, int]:
-    if seq.num_computed_tokens or seq.params.prompt_logprobs is not None:  # as Scheduler._take_cached_prefix
+    if not seq.may_use_prefix_cache:
         return 0, 0
     return kv.cached_prefix_blocks(seq.request_id, seq.token_slice(0, seq.num_tokens), seq.params.cache_salt)
 
 
-def prefill_backlog(waiting: list[Sequence], running: list[Sequence], waiting_cached: Sequence[int] = ()) -> int:
+def prefill_backlog(waiting: list[Sequence], running: list[Sequence], waiting_cached: list[int]) -> int:
     """Tokens the engine must prefill before it reaches a request arriving now: everything queued (less
-    the tokens each waiting request finds in the prefix cache, `waiting_cached`), and what running
-    requests have left of their prompts (a decoding request's one uncomputed token is its next step,
-    not backlog)."""
-    cached = list(waiting_cached) + [0] * (len(waiting) - len(waiting_cached))
-    return (sum(s.num_uncomputed_tokens - c for s, c in zip(waiting, cached))
+    the tokens each waiting request finds in the prefix cache, `waiting_cached`, one per waiting request),
+    and what running requests have left of their prompts (a decoding request's one uncomputed token is
+    its next step, not backlog)."""
+    return (sum(s.num_uncomputed_tokens - c for s, c in zip(waiting, waiting_cached, strict=True))
             + sum(max(0, s.num_uncomputed_tokens - 1) for s in running))

@@ -110,9 +110,8 @@ class Scheduler:
             step.add(seq, num_tokens, self.kv.block_table(seq.request_id))
 
     def _take_cached_prefix(self, seq: Sequence) -> int:
-        """Start a waiting request after the cached blocks its tokens begin with; returns their tokens.
-        Not for a request that wants prompt logprobs: they come from the prefill's own logits."""
-        if seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
+        """Start a waiting request after the cached blocks its tokens begin with; returns their tokens."""
+        if not seq.may_use_prefix_cache:
             return 0
         cached = self.kv.take_cached_prefix(seq.request_id, seq.token_slice(0, seq.num_tokens), seq.params.cache_salt)
         seq.num_computed_tokens = cached

@@ -75,6 +75,12 @@ class Sequence:
         return (self.prompt_token_ids + tuple(self.output_token_ids))[start:end]
 
     @property
+    def may_use_prefix_cache(self) -> bool:
+        """Whether admission may start it after a cached prefix: it holds no computed tokens yet, and it
+        does not want prompt logprobs (they come from the prefill's own logits)."""
+        return self.num_computed_tokens == 0 and self.params.prompt_logprobs is None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
