@@ -253,9 +253,13 @@ class LLMServer:
         not yet in them. The cutoff lies before the snapshot's step (it can be a long step old): counting
         from the step's end instead hid every request sent during a prefill step from the router."""
         snapshot, cutoff = self.engine.pressure_with_cutoff()
-        taken_at = time.time() - max(0.0, time.monotonic() - cutoff)
+        wall, mono = time.time(), time.monotonic()
+        taken_at = wall - max(0.0, mono - cutoff)
+        # The figures are the step's end (the snapshot's own time, the engine clock): the router ages
+        # the prefill backlog from there, as the step's prefill is already off it.
+        measured_at = wall - max(0.0, mono - snapshot.time)
         if self.engine.num_live == 0:  # idle: the thread published its last round and nothing changed
-            taken_at = time.time()  # since (an idle engine does not step, so its snapshot would look stale)
+            taken_at = measured_at = wall  # since (an idle engine does not step, so its snapshot would look stale)
         return ReplicaLoad(free_blocks=snapshot.available_blocks - snapshot.waiting_demand_blocks,
                            num_waiting=snapshot.num_waiting, block_size=self.block_size, taken_at=taken_at,
                            reservation_tokens=snapshot.reservation_tokens,
@@ -264,7 +268,7 @@ class LLMServer:
                            prefill_tokens=snapshot.prefill_backlog_tokens,
                            prefill_tps=self.engine.prefill_tokens_per_s(),
                            capacity_blocks=snapshot.kv_capacity_blocks,
-                           prefix_caching=self.config.enable_prefix_caching).to_stats()
+                           prefix_caching=self.config.enable_prefix_caching, measured_at=measured_at).to_stats()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops; a half-built replica may lack both.

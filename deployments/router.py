@@ -23,7 +23,8 @@ request sent during a step, ~0.65 s for a 512-token prefill chunk on one thread,
 figures nor the count, so in a burst the router saw the replica that was prefilling as emptier than
 it was.) A report is also up to a step plus a stats period old, and the replica has kept prefilling
 since: its backlog is aged by its recent prefill speed times the report's age (`prefill_tps`, measured
-by the engine), else two replicas whose reports are of different ages compare figures that lie
+by the engine; the age counts from the step's end, `measured_at`, when the figures were true, not from
+the cutoff at its start, which until wave 29 took the step's own prefill off twice), else two replicas whose reports are of different ages compare figures that lie
 differently, by up to a period's prefill (~0.4 s of TTFT at 0.5 s periods), and the burst leans on the
 one that reported last. Each replica then falls in
 a class:
@@ -126,6 +127,14 @@ class ReplicaLoad:
     prefill_tps: float = 0.0  # prompt tokens it prefills per second (engine/step_stats.py PrefillRate); 0: unknown
     capacity_blocks: int = 0  # its committed KV blocks: the most its prefix cache can hold
     prefix_caching: bool = False  # its engine shares cached prompt prefixes
+    # Wall clock the figures hold at: the end of the step they were taken after (None: `taken_at`). The
+    # cutoff is that step's *start*, and the step's prefill is already off `prefill_tokens`.
+    measured_at: float | None = None
+
+    @property
+    def figures_at(self) -> float:
+        """When the figures were true: what their age, and the prefill done since, count from."""
+        return self.taken_at if self.measured_at is None else max(self.taken_at, self.measured_at)
 
     def blocks_for(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         """Blocks admission reserves for a request: prompt + min(max_tokens, reservation)."""
@@ -134,8 +143,12 @@ class ReplicaLoad:
 
     def backlog_now(self, sent_tokens: int, now: float) -> float:
         """The prompt tokens a request sent now would wait behind: the reported backlog plus the prompts
-        sent since, less what the replica has prefilled since the cutoff at its recent speed."""
-        done = self.prefill_tps * max(0.0, now - self.taken_at)
+        sent since the cutoff, less what the replica has prefilled since the figures were measured, at its
+        recent speed. Aged from the cutoff instead, the step the figures were taken after counted twice:
+        its chunk was already off the backlog, and its duration came off again at the replica's speed.
+        That made the replica that had just run a long prefill step (up to a 512-token chunk, ~1 s in fp32
+        on one AVX2 thread) look up to a chunk emptier than its peer, so a burst leaned on the busy one."""
+        done = self.prefill_tps * max(0.0, now - self.figures_at)
         return max(0.0, self.prefill_tokens + sent_tokens - done)
 
     def to_stats(self) -> dict[str, Any]:
@@ -150,7 +163,8 @@ class ReplicaLoad:
                        float(stats["taken_at"]), int(stats.get("reservation_tokens", 0)),
                        int(stats.get("num_quantized", 0)), max(0, int(stats.get("morph_blocks", 0))),
                        max(0, int(stats.get("prefill_tokens", 0))), max(0.0, float(stats.get("prefill_tps", 0.0))),
-                       max(0, int(stats.get("capacity_blocks", 0))), bool(stats.get("prefix_caching", False)))
+                       max(0, int(stats.get("capacity_blocks", 0))), bool(stats.get("prefix_caching", False)),
+                       None if stats.get("measured_at") is None else float(stats["measured_at"]))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -200,7 +214,7 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
     penalty, then the better class, then more room at full precision; ("stale", []) when any load is missing or older than `stale_after_s`,
     ("no_queue_len", []) when any queue length is unknown. `sent`: what this router sent to each
     replica after its stats were taken."""
-    if not loads or any(load is None or now - load.taken_at > stale_after_s for load in loads.values()):
+    if not loads or any(load is None or now - load.figures_at > stale_after_s for load in loads.values()):
         return "stale", []
     if any(queue_lens.get(rid) is None for rid in loads):
         return "no_queue_len", []
@@ -283,7 +297,8 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         super().initialize_state(**kwargs)
         self.stale_after_s = stale_after_s
         self.penalties = Penalties(morphed=morphed_penalty, no_fit=no_fit_penalty)
-        self._in_flight = InFlight(keep_s=2 * stale_after_s, transit_s=transit_s)
+        # A report's cutoff is a step before its figures (which staleness counts from): keep enough.
+        self._in_flight = InFlight(keep_s=3 * stale_after_s, transit_s=transit_s)
         self.prefix_affinity, self.affinity_queue_gap = prefix_affinity, affinity_queue_gap
         self._affinity = PrefixAffinity()
         self._decisions = self._choices = None  # the counters, made on first use inside the ingress replica

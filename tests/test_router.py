@@ -2,6 +2,8 @@
 2-replica fleet test (tests/test_fleet_serve.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deployments.router import InFlight, Penalties, ReplicaLoad, Sent, fit_class, rank_replicas
@@ -93,6 +95,24 @@ def test_an_older_report_has_its_backlog_aged_by_the_replicas_prefill_speed():
     assert rank(drained, {"a": 3, "b": 1})[1] == ["b", "a"]
 
 
+def test_a_backlog_is_aged_from_the_end_of_the_step_its_figures_follow_not_from_its_cutoff():
+    """The cutoff is a step's start, the figures its end, with that step's chunk already prefilled.
+    "busy" reported 1000 tokens after a 1.0-s, 500-token prefill step that began 1.1 s ago; "idle"
+    reported 800 after a short step. Aged from the cutoff, "busy" lost its step's 500 tokens twice
+    (1000 - 500 x 1.1 = 450) and looked emptier than "idle"; aged from its figures' time, 950 > 790."""
+    busy = ReplicaLoad(20, 0, 16, taken_at=NOW - 1.1, prefill_tokens=1000, prefill_tps=500.0, measured_at=NOW - 0.1)
+    idle = ReplicaLoad(20, 0, 16, taken_at=NOW - 0.03, prefill_tokens=800, prefill_tps=500.0, measured_at=NOW - 0.02)
+    assert busy.backlog_now(0, NOW) == pytest.approx(950.0) and idle.backlog_now(0, NOW) == pytest.approx(790.0)
+    assert rank({"busy": busy, "idle": idle}, {"busy": 2, "idle": 2})[1] == ["idle", "busy"]
+    # Stats without the figures' time (an older replica) age from the cutoff, as before.
+    assert dataclasses.replace(busy, measured_at=None).backlog_now(0, NOW) == pytest.approx(450.0)
+    # Staleness is the figures' age too: a 2.5-s step whose figures are fresh is not stale.
+    long_step = dataclasses.replace(busy, taken_at=NOW - 2.6)
+    assert rank({"busy": long_step, "idle": idle}, {"busy": 2, "idle": 2})[0] != "stale"
+    assert rank({"busy": dataclasses.replace(long_step, measured_at=None), "idle": idle},
+                {"busy": 2, "idle": 2}) == ("stale", [])
+
+
 def test_stale_or_missing_stats_or_queue_lengths_fall_back_to_serves_default():
     queues = {"a": 0, "b": 0}
     assert rank({"a": load(20), "b": load(20, age=5.0)}, queues) == ("stale", [])
@@ -102,14 +122,15 @@ def test_stale_or_missing_stats_or_queue_lengths_fall_back_to_serves_default():
 
 
 def test_stats_round_trip_and_foreign_stats_are_ignored():
-    original = load(12, waiting=3, quantized=4, morph_blocks=9, prefill=77, tps=640.5)
+    original = dataclasses.replace(load(12, waiting=3, quantized=4, morph_blocks=9, prefill=77, tps=640.5),
+                                   measured_at=NOW + 0.25)
     assert ReplicaLoad.from_stats(original.to_stats()) == original
     assert ReplicaLoad.from_stats({}) is None and ReplicaLoad.from_stats({"kind": "other", "x": 1}) is None
     assert ReplicaLoad.from_stats({**original.to_stats(), "free_blocks": "many"}) is None
-    newer_fields = ("morph_blocks", "prefill_tokens", "prefill_tps")
+    newer_fields = ("morph_blocks", "prefill_tokens", "prefill_tps", "measured_at")
     older = {k: v for k, v in original.to_stats().items() if k not in newer_fields}
     assert ReplicaLoad.from_stats(older).morph_blocks == 0 == ReplicaLoad.from_stats(older).prefill_tokens  # a replica before the fields
-    assert ReplicaLoad.from_stats(older).prefill_tps == 0.0
+    assert ReplicaLoad.from_stats(older).prefill_tps == 0.0 and ReplicaLoad.from_stats(older).measured_at is None
 
 
 def test_a_request_needs_its_prompt_and_the_output_reservation_capped_by_max_tokens():
