@@ -60,12 +60,14 @@ restores sooner.
     stale or missing stats for any candidate, a replica without a cached queue length, or a call
     other than `generate`: Serve's default, power of two choices (the parent class)
 
-Prefix affinity (`prefix_affinity`, off by default: measured, it found more prefixes cached but did not
-cut SLO misses, README "Prefix caching"; with engines that cache prefixes, engine/kv_cache_manager.py):
-a request whose first prompt blocks this router recently sent to a replica likely finds them in that replica's prefix cache
+Prefix affinity (with engines that cache prefixes, engine/kv_cache_manager.py): a request whose first
+prompt blocks this router recently sent to a replica likely finds them in that replica's prefix cache
 and prefills only the rest there. The router remembers, per replica, the block digests of the prompts it
 sent (`PrefixAffinity`, an LRU of at most the replica's KV capacity in blocks: its cache cannot hold
-more) and counts the expected hit off that replica's backlog: the key is the prompt tokens the replica
+more). It always counts a sent request's prompt less that likely hit as the backlog it adds there (the
+replica's own backlog leaves cached tokens out too). Ranking by it is opt-in (`prefix_affinity`, off
+by default: measured, it found more prefixes cached but did not cut SLO misses, README "Prefix caching"):
+then the router counts the expected hit off each replica's backlog: the key is the prompt tokens the replica
 would prefill before this request's first token, backlog + prompt - hit (without a backlog, -hit: the
 hit decides before queue length). A hit counts only when it covers a quarter of the prompt or more
 (the chat template's shared opening alone does not), and only on a replica whose queue is at most
@@ -313,7 +315,8 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         queue_lens = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas}
         sent = {rid: self._in_flight.since(rid, load.taken_at) for rid, load in loads.items() if load is not None}
         digests = _PromptDigests(request)  # one chain per block size, not one per replica
-        cached = {rid: self._expected_hit(rid, load, digests) for rid, load in loads.items() if load is not None}
+        cached = ({rid: self._expected_hit(rid, load, digests) for rid, load in loads.items() if load is not None}
+                  if self.prefix_affinity else {})  # the ranking's credit for a hit is the opt-in part
         decision, order = rank_replicas(loads, queue_lens, len(request.prompt_token_ids), sent, now,
                                         self.stale_after_s, request.max_tokens, self.penalties, cached,
                                         self.affinity_queue_gap)
@@ -334,14 +337,17 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
             return
         prompt = len(request.prompt_token_ids)
         digests = _PromptDigests(request)
+        # What it will prefill there is its prompt less the likely hit, with affinity on or off: the
+        # replica's reported backlog leaves cached tokens out, so the prompts sent since must too, else
+        # the replica whose report is older looks busier by the cached share of what it was sent.
         hit = self._expected_hit(replica_id, load, digests)  # before recording: what it finds there now
         self._in_flight.record(replica_id, time.time(), Sent(load.blocks_for(prompt, request.max_tokens), prompt - hit))
-        if self.prefix_affinity and load.prefix_caching:
+        if load.prefix_caching:
             self._affinity.record(replica_id, digests.of(load.block_size), keep=load.capacity_blocks)
 
     def _expected_hit(self, replica_id: Any, load: ReplicaLoad, digests: "_PromptDigests") -> int:
         """Prompt tokens the request likely finds in that replica's prefix cache (0 where it does not cache)."""
-        if not (self.prefix_affinity and load.prefix_caching):
+        if not load.prefix_caching:
             return 0
         return self._affinity.matched_tokens(replica_id, digests.of(load.block_size), load.block_size)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import time
+import types
 
 import pytest
 
-from deployments.router import InFlight, Penalties, ReplicaLoad, Sent, fit_class, rank_replicas
+from deployments.router import InFlight, Penalties, PressureAwareRouter, ReplicaLoad, Sent, fit_class, rank_replicas
 
 NOW = 1000.0
 
@@ -247,3 +249,30 @@ def test_stats_carry_the_capacity_and_whether_the_engine_caches_prefixes():
     assert ReplicaLoad.from_stats(stats) == ReplicaLoad(10, 0, 16, NOW, capacity_blocks=65, prefix_caching=True)
     del stats["capacity_blocks"], stats["prefix_caching"]  # an older replica's stats
     assert ReplicaLoad.from_stats(stats).prefix_caching is False
+
+
+def _generate_call(prompt: list[int]) -> types.SimpleNamespace:
+    """A pending `generate` call as Serve hands it to the router."""
+    request = types.SimpleNamespace(prompt_token_ids=prompt, max_tokens=8, cache_salt=None)
+    return types.SimpleNamespace(metadata=types.SimpleNamespace(call_method="generate"), args=[request])
+
+
+def test_a_sent_prompt_adds_its_prompt_less_the_likely_prefix_hit_to_the_backlog_with_affinity_off():
+    """The replica's backlog leaves cached tokens out, so what the router counts as sent there since must
+    too, whether or not it ranks by affinity: else the replica whose report is older looks busier."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    router = PressureAwareRouter(deployment_id=DeploymentID(name="engine", app_name="t"),
+                                 handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()  # prefix_affinity off, the app's default
+    taken_at = time.time() - 1.0
+    stats = {"caching": ReplicaLoad(40, 0, 16, taken_at, capacity_blocks=64, prefix_caching=True).to_stats(),
+             "plain": ReplicaLoad(40, 0, 16, taken_at, capacity_blocks=64).to_stats()}
+    router._replicas.update({rid: types.SimpleNamespace(routing_stats=s) for rid, s in stats.items()})
+    shared = list(range(1000, 1096))  # six full blocks
+    for rid in stats:
+        router.on_request_routed(_generate_call(shared + [1, 2, 3, 4]), rid, None)
+        router.on_request_routed(_generate_call(shared + [5, 6, 7, 8]), rid, None)
+    # The second prompt finds the first's six blocks where the engine caches: 100 + 4 tokens to prefill.
+    assert router._in_flight.since("caching", taken_at) == Sent(2 * 7, 104)
+    assert router._in_flight.since("plain", taken_at) == Sent(2 * 7, 200)
