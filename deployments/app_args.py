@@ -68,6 +68,7 @@ class AppArgs(BaseModel):
     router_transit_s: float = Field(0.05, ge=0.0, description="pressure router: a request sent this long before a replica's stats' cutoff may still have been on its way there, so it is counted as sent after them")
     router_prefix_affinity: bool = Field(False, description="pressure router: prefer the replica likely holding a quarter or more of a request's prompt in its prefix cache (off by default: in the wave-28 benchmark it raised the prefix-cache hit share but not the SLO attainment)")
     router_affinity_queue_gap: int = Field(2, ge=0, description="pressure router with router_prefix_affinity: that replica is preferred while its queue is at most this many requests longer than the shortest")
+    router_slo_ttft_s: float | None = Field(None, gt=0.0, description="pressure router: a TTFT SLO in seconds; a request that can meet it on no replica now (though it could on an idle one) goes to the most backlogged replica, keeping the others within it for requests that still can (goodput over tail latency); None: off")
     ingress_replicas: int = Field(1, ge=1)
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one ingress replica handles at once")
     ingress_max_queued_requests: int = Field(64, ge=-1, description="HTTP requests Serve's proxy queues for the ingress beyond that (-1: no limit); beyond -> 503")
@@ -166,7 +167,8 @@ class AppArgs(BaseModel):
                                           "no_fit_penalty": self.router_no_fit_penalty,
                                           "transit_s": self.router_transit_s,
                                           "prefix_affinity": self.router_prefix_affinity,
-                                          "affinity_queue_gap": self.router_affinity_queue_gap},
+                                          "affinity_queue_gap": self.router_affinity_queue_gap,
+                                          "slo_ttft_s": self.router_slo_ttft_s},
                 "request_routing_stats_period_s": self.router_stats_period_s,
                 "request_routing_stats_timeout_s": max(1.0, 2 * self.router_stats_period_s)}
 

@@ -60,6 +60,13 @@ restores sooner.
     stale or missing stats for any candidate, a replica without a cached queue length, or a call
     other than `generate`: Serve's default, power of two choices (the parent class)
 
+Overflow (`slo_ttft_s`, off by default): with a TTFT SLO given, the router estimates each replica's TTFT
+for the request (its backlog now plus the request's own prompt, over the replica's prefill speed). A
+request that would meet the SLO on an idle replica but on none now goes to the replica furthest behind
+(bounded, `_overflow_order`): in a burst that outruns the fleet, an even spread takes every replica past
+the SLO and every request misses; overflow keeps the other replicas inside it for the requests that can
+still make it, at the price of a longer wait for those that miss anyway (goodput over tail latency).
+
 Prefix affinity (with engines that cache prefixes, engine/kv_cache_manager.py): a request whose first
 prompt blocks this router recently sent to a replica likely finds them in that replica's prefix cache
 and prefills only the rest there. The router remembers, per replica, the block digests of the prompts it
@@ -97,7 +104,7 @@ DECISIONS_METRIC = "morphserve_router_decisions"  # counter, tag `decision`
 CHOICES_METRIC = "morphserve_router_choices"  # counter, tag `engine_replica` (Serve reserves `replica`)
 STATS_KIND = "morphserve-kv"  # marks stats this router understands
 FitClass = str  # "fits" | "fits_morphed" | "no_fit": how a request fits a replica's KV now
-Decision = str  # a FitClass (of the chosen replica) | "stale" | "no_queue_len" | "other_call"
+Decision = str  # a FitClass (of the chosen replica) | "overflow" | "stale" | "no_queue_len" | "other_call"
 FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best first
 # Ingress -> engine command queue: a Ray actor call plus the replica's event loop, a few ms when idle
 # and tens of ms on a saturated 2-core machine; a request sent this long before a cutoff counts as sent
@@ -113,6 +120,10 @@ AFFINITY_QUEUE_GAP = 2
 # every chat request of a model shares it) is too little to be worth a longer queue (Ray Serve's prefix
 # router has such a match-rate threshold too).
 AFFINITY_MIN_SHARE = 0.25
+# Overflow (`slo_ttft_s`): a request that can meet the SLO nowhere is sent to the most backlogged replica
+# only while its expected TTFT there stays under this many SLOs: one that misses anyway should still not
+# wait without bound.
+OVERFLOW_MAX_SLOS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,13 +217,16 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
                   prompt_tokens: int, sent: dict[Hashable, Sent], now: float, stale_after_s: float,
                   max_tokens: int | None = None, penalties: Penalties = Penalties(),
                   cached: dict[Hashable, int] | None = None,
-                  affinity_queue_gap: int = AFFINITY_QUEUE_GAP) -> tuple[Decision, list[Hashable]]:
+                  affinity_queue_gap: int = AFFINITY_QUEUE_GAP,
+                  slo_ttft_s: float | None = None) -> tuple[Decision, list[Hashable]]:
     """Pure: (the chosen replica's fit class, every replica cheapest first). Cheapest = the fewest prompt
     tokens prefilled there before this request's first token: while any replica reports a prefill
     backlog, its backlog now (its stats' prompt tokens yet to prefill + the prompts sent there since, less
     what it prefilled since at its reported speed), less the request's expected prefix-cache hit there
     (`cached`, in tokens; counted only where it covers AFFINITY_MIN_SHARE of the prompt and the queue is
-    at most `affinity_queue_gap` longer than the shortest); then cost = queue length + the class's
+    at most `affinity_queue_gap` longer than the shortest); with `slo_ttft_s`, a request that could meet
+    it on an idle replica but meets it on none now overflows to the most backlogged (`_overflow_order`,
+    decision "overflow"); then cost = queue length + the class's
     penalty, then the better class, then more room at full precision; ("stale", []) when any load is missing or older than `stale_after_s`,
     ("no_queue_len", []) when any queue length is unknown. `sent`: what this router sent to each
     replica after its stats were taken."""
@@ -232,9 +246,37 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
            for rid, n in ((rid, (cached or {}).get(rid, 0)) for rid in loads)}
     fits = {rid: fit_class(load, headroom[rid], max(1, load.blocks_for(prompt_tokens, max_tokens)))
             for rid, load in loads.items()}
+    overflow = _overflow_order(loads, backlog, hit, prompt_tokens, slo_ttft_s) if bursting else None
+    if overflow:
+        return "overflow", overflow
     order = sorted(loads, key=lambda rid: (backlog[rid] - hit[rid], queue_lens[rid] + penalties.of(fits[rid]),
                                            FIT_CLASSES.index(fits[rid]), -(headroom[rid] - loads[rid].morph_blocks)))
     return fits[order[0]], order
+
+
+def _overflow_order(loads: dict[Hashable, ReplicaLoad], backlog: dict[Hashable, float], hit: dict[Hashable, int],
+                    prompt_tokens: int, slo_ttft_s: float | None) -> list[Hashable] | None:
+    """The replicas most backlogged first, for a request that will miss the TTFT SLO wherever it goes
+    now (expected TTFT = (backlog now + its own uncached prompt) / prefill speed, over the SLO everywhere)
+    though it would meet it on an idle replica; None for any other request, or when a replica's speed is
+    unknown. Why: in a burst that outruns the fleet for longer than the SLO, spreading evenly brings every
+    replica's backlog past the SLO and then every request misses; sending the requests that miss anyway
+    to the replica that is furthest behind keeps the others' backlogs at the SLO, so what they drain
+    serves requests that can still make it. The price is those requests' TTFT: they wait behind the
+    longest backlog, at most OVERFLOW_MAX_SLOS x the SLO (past that they go where they wait least, as
+    without it). No margin under the SLO: until every replica is past it this is the even spread, and
+    a margin would leave a replica's last part of the SLO unused in a short burst."""
+    if slo_ttft_s is None or any(load.prefill_tps <= 0 for load in loads.values()):
+        return None
+    own = {rid: max(0, prompt_tokens - hit[rid]) / load.prefill_tps for rid, load in loads.items()}
+    ttft = {rid: backlog[rid] / loads[rid].prefill_tps + own[rid] for rid in loads}
+    if any(t <= slo_ttft_s for t in ttft.values()) or not any(o <= slo_ttft_s for o in own.values()):
+        return None
+    bounded = [rid for rid in loads if ttft[rid] <= OVERFLOW_MAX_SLOS * slo_ttft_s]
+    if not bounded:
+        return None
+    return sorted(bounded, key=lambda rid: -ttft[rid]) + sorted((rid for rid in loads if rid not in bounded),
+                                                                 key=lambda rid: ttft[rid])
 
 
 class InFlight:
@@ -294,7 +336,8 @@ class PrefixAffinity:
 class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, stale_after_s: float = 2.0, morphed_penalty: float = 0.0, no_fit_penalty: float = 0.0,
                          transit_s: float = TRANSIT_S, prefix_affinity: bool = False,
-                         affinity_queue_gap: int = AFFINITY_QUEUE_GAP, **kwargs: Any) -> None:
+                         affinity_queue_gap: int = AFFINITY_QUEUE_GAP, slo_ttft_s: float | None = None,
+                         **kwargs: Any) -> None:
         """Keyword arguments come from the deployment's `request_router_config.request_router_kwargs`."""
         super().initialize_state(**kwargs)
         self.stale_after_s = stale_after_s
@@ -302,6 +345,9 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         # A report's cutoff is a step before its figures (which staleness counts from): keep enough.
         self._in_flight = InFlight(keep_s=3 * stale_after_s, transit_s=transit_s)
         self.prefix_affinity, self.affinity_queue_gap = prefix_affinity, affinity_queue_gap
+        if slo_ttft_s is not None and not slo_ttft_s > 0:
+            raise ValueError(f"slo_ttft_s must be > 0 or None, got {slo_ttft_s}")
+        self.slo_ttft_s = slo_ttft_s
         self._affinity = PrefixAffinity()
         self._decisions = self._choices = None  # the counters, made on first use inside the ingress replica
 
@@ -319,7 +365,7 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
                   if self.prefix_affinity else {})  # the ranking's credit for a hit is the opt-in part
         decision, order = rank_replicas(loads, queue_lens, len(request.prompt_token_ids), sent, now,
                                         self.stale_after_s, request.max_tokens, self.penalties, cached,
-                                        self.affinity_queue_gap)
+                                        self.affinity_queue_gap, self.slo_ttft_s)
         self._count(decision)
         if not order:  # stale stats or an unknown queue length: Serve's default (its probes refill the cache)
             return await super().choose_replicas(candidate_replicas, pending_request)

@@ -339,6 +339,8 @@ def test_longer_prompts_and_outputs_grow_the_context_to_hold_them():
         BenchConfig(prompt_range=(16, 450))  # + 64 template + 32 output tokens > 512
     assert bench_config(parse_args(["--fleet", "--fleet-router-affinity"])).controller_overrides() == {
         "router_prefix_affinity": True}
+    assert bench_config(parse_args(["--fleet", "--fleet-router-slo", "--slo-ttft-s", "1.5"])).controller_overrides() == {
+        "router_slo_ttft_s": 1.5}
     shared = bench_config(parse_args(["--fleet", "--no-crosscheck", "--system-prompts", "4", "192"]))
     assert (shared.system_prompts, shared.system_prompt_tokens) == (4, 192)
     assert shared.max_model_len == 34 * 16  # 256 + 192 system + 64 + 32 tokens

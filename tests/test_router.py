@@ -195,10 +195,10 @@ def test_the_app_hands_its_router_settings_to_every_router():
     from deployments.app_args import AppArgs
 
     args = AppArgs(pressure_router=True, router_transit_s=0.2, router_stale_after_s=3.0, router_prefix_affinity=True,
-                   router_affinity_queue_gap=3)
+                   router_affinity_queue_gap=3, router_slo_ttft_s=1.5)
     kwargs = args.request_router_config()["request_router_kwargs"]
     assert kwargs == {"stale_after_s": 3.0, "morphed_penalty": 0.0, "no_fit_penalty": 0.0, "transit_s": 0.2,
-                      "prefix_affinity": True, "affinity_queue_gap": 3}
+                      "prefix_affinity": True, "affinity_queue_gap": 3, "slo_ttft_s": 1.5}
     assert AppArgs().request_router_config() is None  # Serve's own router unless asked (wave 18)
 
 
@@ -276,3 +276,49 @@ def test_a_sent_prompt_adds_its_prompt_less_the_likely_prefix_hit_to_the_backlog
     # The second prompt finds the first's six blocks where the engine caches: 100 + 4 tokens to prefill.
     assert router._in_flight.since("caching", taken_at) == Sent(2 * 7, 104)
     assert router._in_flight.since("plain", taken_at) == Sent(2 * 7, 200)
+
+
+def test_a_request_that_meets_the_slo_nowhere_overflows_to_the_most_backlogged_replica():
+    """SLO 2 s; both replicas prefill 500 tokens/s."""
+    def at(backlog):
+        return load(40, age=0.0, prefill=backlog, tps=500.0)
+
+    queues = {"a": 3, "b": 3}
+    # "b" can still meet it (800 + 100 tokens = 1.8 s): the least backlog wins, as without an SLO.
+    assert rank({"a": at(1100), "b": at(800)}, queues, prompt_tokens=100, slo_ttft_s=2.0) == ("fits", ["b", "a"])
+    # Neither can (2.4 and 2.2 s): it goes where it holds back the fewest who still can, the one furthest behind.
+    assert rank({"a": at(1100), "b": at(1000)}, queues, prompt_tokens=100, slo_ttft_s=2.0) == ("overflow", ["a", "b"])
+    assert rank({"a": at(1100), "b": at(1000)}, queues, prompt_tokens=100)[1] == ["b", "a"]  # no SLO: off
+    # ...but not past OVERFLOW_MAX_SLOS x the SLO (10 s): "a" at 11 s is skipped for "b".
+    assert rank({"a": at(5400), "b": at(1000)}, queues, prompt_tokens=100, slo_ttft_s=2.0) == ("overflow", ["b", "a"])
+    assert rank({"a": at(5400), "b": at(5300)}, queues, prompt_tokens=100, slo_ttft_s=2.0)[0] != "overflow"
+    # A prompt too long to meet the SLO even on an idle replica (1100 tokens = 2.2 s) is not overflowed.
+    assert rank({"a": at(1100), "b": at(1000)}, queues, prompt_tokens=1100, slo_ttft_s=2.0)[1] == ["b", "a"]
+    # Unknown prefill speed on any replica: no estimate, no overflow.
+    unknown = {"a": at(1100), "b": load(40, age=0.0, prefill=1000)}
+    assert rank(unknown, queues, prompt_tokens=100, slo_ttft_s=2.0)[0] != "overflow"
+
+
+def test_overflow_in_a_burst_longer_than_the_slo_keeps_one_replica_within_it():
+    """60 requests of 100 tokens over 3 s onto two idle replicas that each prefill 500 tokens/s (twice
+    what they can take). Spread evenly, both backlogs pass the 2-s SLO and every later request misses;
+    with overflow those pile onto one replica, and what the other drains serves requests within the SLO
+    (expected TTFT at dispatch, the router's own model: 37 within evenly spread, 42 with overflow)."""
+    loads = {"a": load(400, age=0.0, tps=500.0, prefill=1), "b": load(400, age=0.0, tps=500.0, prefill=1)}
+
+    def burst(slo):
+        in_flight, queue, within = InFlight(keep_s=10.0), {"a": 0, "b": 0}, 0
+        for i in range(60):
+            now = NOW + 0.05 * i
+            sent = {rid: in_flight.since(rid, load.taken_at) for rid, load in loads.items()}
+            _, order = rank_replicas(loads, queue, 100, sent, now, 5.0, slo_ttft_s=slo)
+            chosen = order[0]
+            within += (loads[chosen].backlog_now(sent[chosen].tokens, now) + 100) / 500.0 <= 2.0
+            queue[chosen] += 1
+            in_flight.record(chosen, now, Sent(7, 100))
+        return within, queue
+
+    even, spread = burst(None)
+    overflowed, piled = burst(2.0)
+    assert abs(spread["a"] - spread["b"]) <= 1
+    assert overflowed > even and piled["a"] > piled["b"]

@@ -64,6 +64,8 @@ class BenchConfig:
     fleet_report_interval_s: float | None = None
     # --fleet: the pressure router's prefix affinity (AppArgs.router_prefix_affinity) for the controller systems
     fleet_router_affinity: bool = False
+    # --fleet: the pressure router's overflow at this run's SLO (AppArgs.router_slo_ttft_s) for the controller systems
+    fleet_router_slo: bool = False
     # Shared prefixes (what prefix caching and the router's prefix affinity are for): every request gets
     # one of `system_prompts` system prompts of `system_prompt_tokens` tokens (0: none, the model's default)
     system_prompts: int = 0
@@ -114,6 +116,8 @@ class BenchConfig:
             overrides["report_interval_s"] = self.fleet_report_interval_s
         if self.fleet_router_affinity:
             overrides["router_prefix_affinity"] = True
+        if self.fleet_router_slo:
+            overrides["router_slo_ttft_s"] = self.slo_ttft_s
         return overrides
 
     def fitting_repeats(self, replay_s: float, elapsed_s: float) -> int:

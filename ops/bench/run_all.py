@@ -82,6 +82,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "the controller and applies its directive (default: the app's 0.25 s)")
     ap.add_argument("--fleet-router-affinity", action="store_true", help="--fleet: the pressure router's prefix "
                     "affinity on (AppArgs.router_prefix_affinity) in the controller systems")
+    ap.add_argument("--fleet-router-slo", action="store_true", help="--fleet: the pressure router overflows requests "
+                    "that can meet the run's TTFT SLO nowhere to the most backlogged replica "
+                    "(AppArgs.router_slo_ttft_s = --slo-ttft-s) in the controller systems")
     ap.add_argument("--mean-load", type=float, default=None, help="the replay's mean arrival rate as a fraction of "
                     "the measured capacity (default 0.5; raised when the bursts would not exceed capacity)")
     ap.add_argument("--no-quality", action="store_true", help="skip teacher-forced agreement and perplexity")
@@ -116,6 +119,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
                                  ("kv_sequences", args.kv_sequences), ("slo_ttft_s", args.slo_ttft_s)) if v is not None}
     if args.fleet_router_affinity:
         changes["fleet_router_affinity"] = True
+    if args.fleet_router_slo:
+        changes["fleet_router_slo"] = True
     if args.fleet_restore_quiet_s is not None:  # `off` is AppArgs' None
         changes["fleet_restore_quiet_s"] = None if args.fleet_restore_quiet_s == "off" else args.fleet_restore_quiet_s
     if args.systems:
