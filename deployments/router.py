@@ -24,10 +24,10 @@ figures nor the count, so in a burst the router saw the replica that was prefill
 it was.) A report is also up to a step plus a stats period old, and the replica has kept prefilling
 since: its backlog is aged by its recent prefill speed times the report's age (`prefill_tps`, measured
 by the engine; the age counts from the step's end, `measured_at`, when the figures were true, not from
-the cutoff at its start, which until wave 29 took the step's own prefill off twice), else two replicas whose reports are of different ages compare figures that lie
-differently, by up to a period's prefill (~0.4 s of TTFT at 0.5 s periods), and the burst leans on the
-one that reported last. Each replica then falls in
-a class:
+the cutoff at its start, which until wave 29 took the step's own prefill off twice), else two replicas
+whose reports are of different ages compare figures that lie differently, by up to a period's prefill
+(~0.4 s of TTFT at 0.5 s periods), and the burst leans on the one that reported last. Each replica then
+falls in a class:
 
     fits:         nothing waiting there and the request fits in the room it would have at full
                   precision (headroom less its morph's blocks): no morph, and no restore delayed
@@ -106,6 +106,19 @@ STATS_KIND = "morphserve-kv"  # marks stats this router understands
 FitClass = str  # "fits" | "fits_morphed" | "no_fit": how a request fits a replica's KV now
 Decision = str  # a FitClass (of the chosen replica) | "overflow" | "stale" | "no_queue_len" | "other_call"
 FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best first
+DECISIONS: tuple[Decision, ...] = (*FIT_CLASSES, "overflow", "stale", "no_queue_len", "other_call")
+# This process's routing decisions so far (the routers of every handle in it), beside the metric: the
+# ingress answers GET /admin/router from it, so a benchmark reads them without a metrics pipeline.
+_TALLY: collections.Counter[Decision] = collections.Counter()
+
+
+def tally(decision: Decision) -> None:
+    _TALLY[decision] += 1
+
+
+def decision_totals() -> dict[Decision, int]:
+    """How many times the pressure-aware routers of this process decided each way (empty: none ran)."""
+    return dict(_TALLY)
 # Ingress -> engine command queue: a Ray actor call plus the replica's event loop, a few ms when idle
 # and tens of ms on a saturated 2-core machine; a request sent this long before a cutoff counts as sent
 # after it. AppArgs.router_transit_s sets it for the app, with the same default
@@ -257,7 +270,8 @@ def rank_replicas(loads: dict[Hashable, ReplicaLoad | None], queue_lens: dict[Ha
 def _overflow_order(loads: dict[Hashable, ReplicaLoad], backlog: dict[Hashable, float], hit: dict[Hashable, int],
                     prompt_tokens: int, slo_ttft_s: float | None) -> list[Hashable] | None:
     """The replicas most backlogged first, for a request that will miss the TTFT SLO wherever it goes
-    now (expected TTFT = (backlog now + its own uncached prompt) / prefill speed, over the SLO everywhere)
+    now (expected TTFT = (backlog now + its prompt less the hit the ranking credits) / prefill speed, over
+    the SLO everywhere)
     though it would meet it on an idle replica; None for any other request, or when a replica's speed is
     unknown. Why: in a burst that outruns the fleet for longer than the SLO, spreading evenly brings every
     replica's backlog past the SLO and then every request misses; sending the requests that miss anyway
@@ -398,6 +412,7 @@ class PressureAwareRouter(PowerOfTwoChoicesRequestRouter):
         return self._affinity.matched_tokens(replica_id, digests.of(load.block_size), load.block_size)
 
     def _count(self, decision: Decision) -> None:
+        tally(decision)
         try:
             if self._decisions is None:
                 from deployments.metrics import default_backend

@@ -173,3 +173,24 @@ def test_the_directive_waits_of_a_run_are_tabled_and_kept_per_run(results, tmp_p
     paths = build_report(with_fleet, tmp_path / "out")
     assert "a round's wait for its directive, mean (s)" in paths.report_md.read_text()
     assert json.loads(paths.results_json.read_text())["runs"][-2]["directive_wait"]["counts"] == slow.as_dict()["counts"]
+
+
+def test_the_pressure_routers_decisions_are_tabled_and_kept_per_run(results, tmp_path):
+    from deployments.router import DECISIONS
+    from ops.bench.report import ROUTER_DECISIONS
+    from ops.bench.run_one import routed_during
+
+    assert set(ROUTER_DECISIONS) == set(DECISIONS) - {"other_call"}  # the generate calls' decisions
+    # The replay's decisions are the difference of two readings; a restarted ingress's (a count fell) is unknown.
+    assert routed_during({"fits": 3}, {"fits": 10, "overflow": 4, "other_call": 0}) == {"fits": 7, "overflow": 4}
+    assert routed_during({"fits": 3}, {"fits": 1}) is None and routed_during(None, {"fits": 1}) is None
+    records = results.runs_of("fp")[0].records
+    runs = [SystemRun(system="fleet", repeat=0, records=records, router_decisions={"fits": 100, "overflow": 12}),
+            SystemRun(system="fleet", repeat=1, records=records, router_decisions={"fits": 120, "stale": 6})]
+    with_fleet = BenchResults(results.settings, (*results.runs, *runs))
+    table = summarize(with_fleet)
+    assert table["fleet"]["router.overflow"].median == pytest.approx(6) and table["fleet"]["router.stale"].max == 6
+    assert table["fp"]["router.fits"].n == 0  # no pressure router: no count, not zero
+    paths = build_report(with_fleet, tmp_path / "out")
+    assert "| fleet | 110 [100–120] | 0 | 0 | 6 [0–12] | 3 [0–6] | 0 |" in paths.report_md.read_text()
+    assert json.loads(paths.results_json.read_text())["runs"][-1]["router_decisions"] == {"fits": 120, "stale": 6}

@@ -323,6 +323,21 @@ def test_api_key_is_required_on_v1_but_not_on_health(engine):
         assert c.get("/health").status_code == 200
 
 
+def test_admin_router_gives_this_processs_routing_decisions(engine):
+    from deployments.router import decision_totals, tally
+
+    app = build_ingress_app(engine, IngressSettings(admin_token="root"))
+    with TestClient(app) as c:
+        assert_openai_error(c.get("/admin/router"), 401)
+        admin = {"Authorization": "Bearer root"}
+        before = c.get("/admin/router", headers=admin).json()["decisions"]
+        assert before == decision_totals()
+        tally("overflow")
+        tally("stale")
+        after = c.get("/admin/router", headers=admin).json()["decisions"]
+        assert after["overflow"] == before.get("overflow", 0) + 1 and after["stale"] == before.get("stale", 0) + 1
+
+
 def test_admin_is_forbidden_without_a_configured_token(client):
     assert_openai_error(client.get("/admin/morph"), 403)
     assert_openai_error(client.post("/admin/morph", json={"mode": "accuracy"},

@@ -1,5 +1,6 @@
 """/admin/morph: read the replica's morph status, pin the mode or the number of quantized layers.
-Our own API (not OpenAI's), behind the admin token."""
+/admin/router: the pressure-aware router's decisions in this ingress replica so far (empty with
+Serve's default router). Our own API (not OpenAI's), behind the admin token."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -32,5 +33,12 @@ def admin_router(server: IngressServer) -> APIRouter:
     @admin.post("/morph")
     async def morph_set(request: Request, body: p.MorphAdminRequest) -> Response:
         return await server.guarded(request, lambda: admin_set(server.engine, body))
+
+    @admin.get("/router")
+    async def router_status() -> dict:
+        # The router runs in this process (inside the ingress's handle to the engines), so its tally is here.
+        from deployments.router import decision_totals
+
+        return {"decisions": decision_totals()}
 
     return admin

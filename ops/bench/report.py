@@ -21,6 +21,10 @@ from ops.bench.metrics import (RESTORE_UNDONE_WITHIN_S, LayerMoves, RunMetrics, 
                                misses_by_window, spread)
 from ops.bench.process_cpu import CPU_ROLES
 from ops.bench.reaction import ReactionSummary
+
+# The pressure-aware router's decisions on generate calls (deployments/router.py DECISIONS, less
+# "other_call": tokenize and admin calls go through it too). Not imported: that module pulls in Ray Serve.
+ROUTER_DECISIONS = ("fits", "fits_morphed", "no_fit", "overflow", "stale", "no_queue_len")
 from ops.quality.rouge import agreement, quality_loss_reduction
 
 
@@ -51,6 +55,8 @@ class SystemRun:
     layer_moves: LayerMoves | None = None  # a fleet's morphs and restores during the replay (metrics.layer_moves)
     # Every replica's morph-loop waits for a directive during the replay, merged (deployments/directive_wait.py)
     directive_wait: Mapping | None = None
+    # The pressure-aware router's decisions during the replay, by kind ({}: Serve's router; None: not read)
+    router_decisions: Mapping[str, int] | None = None
 
     @property
     def busiest_share(self) -> float | None:
@@ -145,6 +151,9 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
             row[f"directive_wait.{key}"] = spread(w[key] if w else None for w in waits)
         for key in ("morphs", "restores", "restores_undone"):
             row[f"layer_moves.{key}"] = spread(getattr(r.layer_moves, key) if r.layer_moves else None for r in runs)
+        for decision in ROUTER_DECISIONS:  # None for a system without the pressure router
+            row[f"router.{decision}"] = spread(r.router_decisions.get(decision, 0) if r.router_decisions else None
+                                               for r in runs)
         by_window = [misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s) for r in runs]
         for k in range(len(s.window_starts_s)):
             row[f"slo_violations.w{k + 1}"] = spread(misses[k] for misses in by_window)
@@ -222,6 +231,8 @@ _TABLES = (
     ("Layer moves of a fleet (each replica's quantized-layer changes during the replay, at report granularity)",
      (("morphs", "layer_moves.morphs"), ("restores", "layer_moves.restores"),
       (f"restores undone within {RESTORE_UNDONE_WITHIN_S:g} s (in a lull of a burst)", "layer_moves.restores_undone"))),
+    ("Decisions of the pressure-aware router during the replay (deployments/router.py; stale and no_queue_len "
+     "fell back to Serve's power of two choices)", tuple((d, f"router.{d}") for d in ROUTER_DECISIONS)),
     ("CPU seconds during the replay, by process (every second outside the engines is taken from them on a small machine)",
      tuple((role, f"cpu_s.{role}") for role in CPU_ROLES)),
     ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
@@ -280,7 +291,7 @@ def _window_table(starts: Sequence[float], table: dict[str, dict[str, Spread]]) 
 def _cell(row: dict[str, Spread], key: str, total: Spread) -> str:
     if key == "num_ok":
         return f"{row[key].format(digits=0)} / {total.format(digits=0)}"
-    counts = key in ("preemptions", "waiting_rounds") or key.startswith("layer_moves.")
+    counts = key in ("preemptions", "waiting_rounds") or key.startswith(("layer_moves.", "router."))
     return row[key].format(digits=0 if counts else 3)
 
 
@@ -330,6 +341,7 @@ def _json(results: BenchResults, table: dict[str, dict[str, Spread]]) -> dict:
                   "cpu_seconds": dict(r.cpu_seconds),
                   "layer_moves": r.layer_moves.as_dict() if r.layer_moves else None,
                   "directive_wait": dict(r.directive_wait) if r.directive_wait else None,
+                  "router_decisions": None if r.router_decisions is None else dict(r.router_decisions),
                   "reaction": dataclasses.asdict(r.reaction) if r.reaction else None,
                   "timeline": [{"t_s": x.t_s, **x.values, **x.labels} for x in r.timeline],
                   "requests": [dataclasses.asdict(x) for x in r.records]} for r in results.runs],

@@ -87,7 +87,8 @@ def run_system(spec: SystemSpec, repeat: int, requests: Sequence[LoadRequest], c
          f"total {time.monotonic() - started:.0f} s")
     return SystemRun(system=spec.name, repeat=repeat, records=result.records, timeline=tuple(samples),
                      generate_calls=replicas.generate_calls, waiting_rounds=replicas.waiting_rounds, cpu_seconds=cpu,
-                     layer_moves=replicas.layer_moves, directive_wait=replicas.directive_wait)
+                     layer_moves=replicas.layer_moves, directive_wait=replicas.directive_wait,
+                     router_decisions=replicas.router_decisions)
 
 
 def _launch(spec: SystemSpec, port: int, token: str, ctx: RunContext, config_path: Path) -> tuple[list[str], dict]:
@@ -188,12 +189,33 @@ def _replay(spec: SystemSpec, base: str, token: str, requests: Sequence[LoadRequ
     # here, on the same clock (the load generator's zero = its call time + start_delay_s, to within
     # the ms its session setup takes).
     sampler = _AdminSampler(f"{base}/admin/morph", token, ctx.status_interval_s, spec.replicas)
+    decisions_before = _router_decisions(base, token)
     sampler.start(time.perf_counter() + config.start_delay_s)
     try:
         result = replay(requests, config)
     finally:
         samples = sampler.stop()
-    return result, samples, sampler.totals(warm_up_calls)
+    decisions = routed_during(decisions_before, _router_decisions(base, token))
+    return result, samples, dataclasses.replace(sampler.totals(warm_up_calls), router_decisions=decisions)
+
+
+def _router_decisions(base: str, token: str) -> dict[str, int] | None:
+    """The pressure-aware router's decisions so far (GET /admin/router; the ingress's one replica);
+    None when the server has no such route or does not answer."""
+    try:
+        status, text = http_get(f"{base}/admin/router", {"Authorization": f"Bearer {token}"})
+        decisions = json.loads(text).get("decisions") if status == 200 else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {str(k): int(v) for k, v in decisions.items()} if isinstance(decisions, dict) else None
+
+
+def routed_during(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> dict[str, int] | None:
+    """The decisions made between two readings (the replay's, without the warm-ups'); None without both,
+    or when a count went down (the ingress restarted between them: the difference would mislead)."""
+    if before is None or after is None or any(after.get(k, 0) < n for k, n in before.items()):
+        return None
+    return {k: n - before.get(k, 0) for k, n in after.items() if n - before.get(k, 0) > 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +227,9 @@ class ReplicaTotals:
     # Every replica's morph-loop waits for a directive (deployments/directive_wait.py), merged, from each
     # one's first reading in the replay to its last; None when the engines do not report them.
     directive_wait: Mapping | None = None
+    # The pressure-aware router's decisions during the replay, by kind (router.DECISIONS), read from the
+    # ingress (GET /admin/router); {} with Serve's default router, None when not read.
+    router_decisions: Mapping[str, int] | None = None
 
 
 class _AdminSampler:
