@@ -97,28 +97,14 @@ from typing import Any, Hashable
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
+# The decisions' names and this process's count of them live apart: Serve pickles this module by value.
+from deployments.router_decisions import DECISIONS, FIT_CLASSES, Decision, FitClass, tally  # noqa: F401
 from engine.prefix_hash import chain_digests, root
 
 ROUTER_IMPORT_PATH = "deployments.router:PressureAwareRouter"
 DECISIONS_METRIC = "morphserve_router_decisions"  # counter, tag `decision`
 CHOICES_METRIC = "morphserve_router_choices"  # counter, tag `engine_replica` (Serve reserves `replica`)
 STATS_KIND = "morphserve-kv"  # marks stats this router understands
-FitClass = str  # "fits" | "fits_morphed" | "no_fit": how a request fits a replica's KV now
-Decision = str  # a FitClass (of the chosen replica) | "overflow" | "stale" | "no_queue_len" | "other_call"
-FIT_CLASSES: tuple[FitClass, ...] = ("fits", "fits_morphed", "no_fit")  # best first
-DECISIONS: tuple[Decision, ...] = (*FIT_CLASSES, "overflow", "stale", "no_queue_len", "other_call")
-# This process's routing decisions so far (the routers of every handle in it), beside the metric: the
-# ingress answers GET /admin/router from it, so a benchmark reads them without a metrics pipeline.
-_TALLY: collections.Counter[Decision] = collections.Counter()
-
-
-def tally(decision: Decision) -> None:
-    _TALLY[decision] += 1
-
-
-def decision_totals() -> dict[Decision, int]:
-    """How many times the pressure-aware routers of this process decided each way (empty: none ran)."""
-    return dict(_TALLY)
 # Ingress -> engine command queue: a Ray actor call plus the replica's event loop, a few ms when idle
 # and tens of ms on a saturated 2-core machine; a request sent this long before a cutoff counts as sent
 # after it. AppArgs.router_transit_s sets it for the app, with the same default
@@ -271,9 +257,8 @@ def _overflow_order(loads: dict[Hashable, ReplicaLoad], backlog: dict[Hashable, 
                     prompt_tokens: int, slo_ttft_s: float | None) -> list[Hashable] | None:
     """The replicas most backlogged first, for a request that will miss the TTFT SLO wherever it goes
     now (expected TTFT = (backlog now + its prompt less the hit the ranking credits) / prefill speed, over
-    the SLO everywhere)
-    though it would meet it on an idle replica; None for any other request, or when a replica's speed is
-    unknown. Why: in a burst that outruns the fleet for longer than the SLO, spreading evenly brings every
+    the SLO everywhere) though it would meet it on an idle replica; None for any other request, or when
+    a replica's speed is unknown. Why: in a burst that outruns the fleet for longer than the SLO, spreading evenly brings every
     replica's backlog past the SLO and then every request misses; sending the requests that miss anyway
     to the replica that is furthest behind keeps the others' backlogs at the SLO, so what they drain
     serves requests that can still make it. The price is those requests' TTFT: they wait behind the

@@ -34,8 +34,9 @@ BURST_DEADLINE_S = 300.0
 # so 2-3 layers each in bf16 and fp32 alike (with 16, an fp32 fleet on an AVX2 CPU sometimes held 1 + 1,
 # KV 0.78 and 0.56, under the 0.85 entry threshold, and never used BUDGET).
 BURST_CLIENTS = 24
+ADMIN = "fleet-admin"
 FLEET_ARGS = {**COMMON, **FLEET_CONTROLLER, "num_replicas": 2, "fleet_max_quantized_layers": BUDGET,
-              "replica_timeout_s": 6.0, "scale_out_after_s": 600.0, "pressure_router": True}
+              "replica_timeout_s": 6.0, "scale_out_after_s": 600.0, "pressure_router": True, "admin_token": ADMIN}
 
 
 def controller_status(ray, names: dict) -> dict:
@@ -155,6 +156,10 @@ def test_two_replicas_report_and_a_burst_never_exceeds_the_fleet_budget(fleet_ap
     # queues; it did not fall back to Serve's default.
     fallbacks = _sum(exported, DECISIONS, 'decision="stale"') + _sum(exported, DECISIONS, 'decision="no_queue_len"')
     assert by_kv(exported) > fallbacks, [line for line in exported.splitlines() if line.startswith(DECISIONS)]
+    # GET /admin/router reads the same count in the ingress, at least as far as the export had got.
+    code, body = http("GET", url + "/admin/router", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert code == 200, body
+    assert sum(body["decisions"].get(fit, 0) for fit in FIT_CLASSES) >= by_kv(exported) > 0, body
 
 
 DECISIONS = "ray_morphserve_router_decisions_total"

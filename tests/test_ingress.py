@@ -324,7 +324,7 @@ def test_api_key_is_required_on_v1_but_not_on_health(engine):
 
 
 def test_admin_router_gives_this_processs_routing_decisions(engine):
-    from deployments.router import decision_totals, tally
+    from deployments.router_decisions import decision_totals, tally
 
     app = build_ingress_app(engine, IngressSettings(admin_token="root"))
     with TestClient(app) as c:

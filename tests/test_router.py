@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -322,3 +323,38 @@ def test_overflow_in_a_burst_longer_than_the_slo_keeps_one_replica_within_it():
     overflowed, piled = burst(2.0)
     assert abs(spread["a"] - spread["b"]) <= 1
     assert overflowed > even and piled["a"] > piled["b"]
+
+
+def test_the_router_as_serve_ships_it_counts_its_decisions_where_the_ingress_reads_them(tmp_path):
+    """Serve cloudpickles a request router with its module registered by value, so in the ingress the
+    router's class sees a copy of deployments/router.py's globals: a count kept there was not the one GET
+    /admin/router reads (every fleet benchmark run showed no decisions). The count lives in
+    deployments/router_decisions.py, which the shipped class reaches by reference. Unpickled in a fresh
+    process, as in the ingress (in the pickling process cloudpickle hands back the original class)."""
+    import subprocess
+    import sys
+
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.app_args import AppArgs
+
+    config = RequestRouterConfig(**AppArgs(pressure_router=True).request_router_config())
+    shipped = tmp_path / "router.pkl"
+    shipped.write_bytes(config.get_serialized_request_router_cls())
+    ingress = f"""
+import pathlib
+from ray import cloudpickle
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from deployments.router_decisions import decision_totals
+cls = cloudpickle.loads(pathlib.Path({str(shipped)!r}).read_bytes())
+router = cls(deployment_id=DeploymentID(name="engine", app_name="t"), handle_source=DeploymentHandleSource.UNKNOWN)
+router.initialize_state()
+router._count("fits")
+router._count("fits")
+router._count("overflow")
+print(decision_totals())
+"""
+    out = subprocess.run([sys.executable, "-c", ingress], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "{'fits': 2, 'overflow': 1}", out.stdout

@@ -37,7 +37,7 @@ def admin_router(server: IngressServer) -> APIRouter:
     @admin.get("/router")
     async def router_status() -> dict:
         # The router runs in this process (inside the ingress's handle to the engines), so its tally is here.
-        from deployments.router import decision_totals
+        from deployments.router_decisions import decision_totals
 
         return {"decisions": decision_totals()}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from deployments import directive_wait
+from deployments.router_decisions import GENERATE_DECISIONS
 from ops.bench import BenchmarkInputError
 from ops.bench.loadgen import RequestRecord, ServerSample
 from ops.bench.metrics import (RESTORE_UNDONE_WITHIN_S, LayerMoves, RunMetrics, Spread, aggregate, compute_run_metrics,
@@ -22,9 +23,6 @@ from ops.bench.metrics import (RESTORE_UNDONE_WITHIN_S, LayerMoves, RunMetrics, 
 from ops.bench.process_cpu import CPU_ROLES
 from ops.bench.reaction import ReactionSummary
 
-# The pressure-aware router's decisions on generate calls (deployments/router.py DECISIONS, less
-# "other_call": tokenize and admin calls go through it too). Not imported: that module pulls in Ray Serve.
-ROUTER_DECISIONS = ("fits", "fits_morphed", "no_fit", "overflow", "stale", "no_queue_len")
 from ops.quality.rouge import agreement, quality_loss_reduction
 
 
@@ -151,7 +149,7 @@ def summarize(results: BenchResults) -> dict[str, dict[str, Spread]]:
             row[f"directive_wait.{key}"] = spread(w[key] if w else None for w in waits)
         for key in ("morphs", "restores", "restores_undone"):
             row[f"layer_moves.{key}"] = spread(getattr(r.layer_moves, key) if r.layer_moves else None for r in runs)
-        for decision in ROUTER_DECISIONS:  # None for a system without the pressure router
+        for decision in GENERATE_DECISIONS:  # None for a system without the pressure router
             row[f"router.{decision}"] = spread(r.router_decisions.get(decision, 0) if r.router_decisions else None
                                                for r in runs)
         by_window = [misses_by_window(r.records, s.slo_ttft_s, s.window_starts_s) for r in runs]
@@ -232,7 +230,7 @@ _TABLES = (
      (("morphs", "layer_moves.morphs"), ("restores", "layer_moves.restores"),
       (f"restores undone within {RESTORE_UNDONE_WITHIN_S:g} s (in a lull of a burst)", "layer_moves.restores_undone"))),
     ("Decisions of the pressure-aware router during the replay (deployments/router.py; stale and no_queue_len "
-     "fell back to Serve's power of two choices)", tuple((d, f"router.{d}") for d in ROUTER_DECISIONS)),
+     "fell back to Serve's power of two choices)", tuple((d, f"router.{d}") for d in GENERATE_DECISIONS)),
     ("CPU seconds during the replay, by process (every second outside the engines is taken from them on a small machine)",
      tuple((role, f"cpu_s.{role}") for role in CPU_ROLES)),
     ("Quality of what was served", (("teacher-forced top-1 agreement with full precision", "tf_agreement"),
