@@ -10,8 +10,9 @@ from ops.bench.goals import FleetPair
 from ops.bench.systems import FLEET_BASELINE, FLEET_PRESSURE
 
 
-def run(system: str, repeat: int, misses: int, layer_s: float | None, by_window: list[int] | None = None) -> dict:
-    return {"system": system, "repeat": repeat, "metrics": {"slo_violations": float(misses)},
+def run(system: str, repeat: int, misses: int, layer_s: float | None, by_window: list[int] | None = None,
+        tpot: float = 0.1) -> dict:
+    return {"system": system, "repeat": repeat, "metrics": {"slo_violations": float(misses), "tpot_s.p50": tpot},
             "quantized_layer_s": layer_s, "misses_by_window": by_window}
 
 
@@ -23,7 +24,7 @@ def write_folder(root, name: str, runs: list[dict], machine) -> object:
 
 
 ABBA = [run(FLEET_BASELINE, 0, 10, 100.0, [6, 4]), run(FLEET_PRESSURE, 0, 8, 90.0, [7, 1]),  # goal met
-        run(FLEET_PRESSURE, 1, 12, 80.0, [9, 3]), run(FLEET_BASELINE, 1, 7, 95.0, [5, 2]),  # more misses
+        run(FLEET_PRESSURE, 1, 12, 80.0, [9, 3], tpot=0.2), run(FLEET_BASELINE, 1, 7, 95.0, [5, 2]),  # more misses
         run(FLEET_BASELINE, 2, 5, 100.0), run(FLEET_PRESSURE, 2, 5, None)]  # equal; not scored, no windows
 
 
@@ -34,6 +35,7 @@ def test_a_folder_gives_its_pairs_by_repeat_and_its_baseline_runs_in_schedule_or
     assert pairs[0].pairs == (FleetPair((10, 8), (100.0, 90.0)), FleetPair((7, 12), (95.0, 80.0)),
                               FleetPair((5, 5), (100.0, None)))
     assert pairs[0].first_window == ((6, 7), (5, 9))  # repeat 2's runs have no split by window
+    assert pairs[0].tpot == ((0.1, 0.1), (0.1, 0.2), (0.1, 0.1))
     assert drift == [(10, 7)]  # the third baseline run has no successor in its folder
     assert [fleet_pooled.goal_met(p) for p in pairs[0].pairs] == [True, False, False]
 
@@ -64,6 +66,8 @@ def test_pooled_lines_count_each_run_and_pool_them_per_machine_and_overall(tmp_p
     overall = next(line for line in lines if line.startswith("- all machines"))
     assert "(6 pairs): SLO misses fewer in 2, more in 2, equal in 2" in overall
     assert "both fewer in 2 of 6; SLO misses in the first burst window (4 pairs): fewer 0, more 4, equal 0" in overall
+    # Repeat 1 stepped slower with fewer layer-seconds; repeat 2 has no layer-seconds to compare.
+    assert overall.endswith("TPOT P50 higher in 2 of 6 pairs (2 of the 4 with fewer layer-seconds, 0 of the 0 with more)")
     assert sum(line.startswith("- AVX") for line in lines) == 2
     assert lines[-1].startswith("- drift (A/A: a baseline run against the next one of the same folder, 2 pairs): "
                                 "the later run missed fewer 2, more 0, equal 0")

@@ -8,6 +8,10 @@ DIR: run folders (each with the results.json `run_all --fleet` wrote); default: 
 2-core VM the spread between repeats of one system (SLO misses 35-71 on the same arrivals) is larger
 than any difference between the systems, so no single run can tell them apart; 200 pairs can.
 
+Each pooled line also counts the first burst window on its own (before any restore between bursts) and
+how often the fleet stepped slower (TPOT P50), apart for the pairs where it held fewer and more quantized
+layer-seconds: on a CPU a quantized layer changes a step's speed.
+
 Pooled pairs come from different commits, workloads and machines. The count says which way the fleet
 went in most of them, not by how much. The drift line checks what pairing assumes: the two runs of a pair
 are close in time, so a slower or faster VM moves both alike. It pairs each baseline run with the next
@@ -45,6 +49,10 @@ class RunPairs:
     # SLO misses in the first burst window, (baseline, compared), for the pairs whose runs both split
     # them by window: before that burst no restore has happened and no grant has moved.
     first_window: tuple[tuple[int, int], ...] = ()
+    # TPOT P50 (baseline, compared) of each pair, in the order of `pairs`: how fast the replicas
+    # stepped, which quantized layers change on a CPU (faster at small batches with AVX-512 INT4
+    # kernels, slower prefill with AVX2's), so fewer layer-seconds can mean slower steps.
+    tpot: tuple[tuple[float | None, float | None], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +89,9 @@ def read_folder(folder: Path, baseline: str = FLEET_BASELINE) -> tuple[list[RunP
                       for i in both)
         first = tuple((base[i]["misses_by_window"][0], repeats[i]["misses_by_window"][0]) for i in both
                       if base[i].get("misses_by_window") and repeats[i].get("misses_by_window"))
+        tpot = tuple((base[i]["metrics"].get("tpot_s.p50"), repeats[i]["metrics"].get("tpot_s.p50")) for i in both)
         if found:
-            pairs.append(RunPairs(folder.name, capability, system, found, first))
+            pairs.append(RunPairs(folder.name, capability, system, found, first, tpot))
     ordered = [_misses(run) for run in runs if run["system"] == baseline]
     drift = list(zip(ordered[0::2], ordered[1::2]))
     return pairs, drift
@@ -125,11 +134,29 @@ def pooled_lines(found: Sequence[RunPairs], drift: Sequence[tuple[int, int]]) ->
         first = [p for run in runs for p in run.first_window]
         lines.append(f"- {machines}: {fleet_pairs_line(pairs, system)}; both fewer in "
                      f"{sum(map(goal_met, pairs))} of {len(pairs)}; SLO misses in the first burst window "
-                     f"({len(first)} pairs): {_tally(first).line()}")
+                     f"({len(first)} pairs): {_tally(first).line()}; {_speed(runs)}")
     later = _tally(drift)
     lines.append(f"- drift (A/A: a baseline run against the next one of the same folder, {len(drift)} pairs): "
                  f"the later run missed {later.line()}")
     return lines
+
+
+def _speed(runs: Sequence[RunPairs]) -> str:
+    """How often the compared system stepped slower (higher TPOT P50) than the baseline: in all pairs,
+    and apart in those where it held fewer and more quantized layer-seconds."""
+    slower = {True: [0, 0], False: [0, 0]}  # fewer layer-seconds? -> [TPOT higher, pairs]
+    higher = total = 0
+    for run in runs:
+        for pair, (base_tpot, tpot) in zip(run.pairs, run.tpot):
+            if None in (base_tpot, tpot):  # a run that served no second token of any request
+                continue
+            higher, total = higher + (tpot > base_tpot), total + 1
+            base_ls, ls = pair.layer_s
+            if None not in (base_ls, ls) and ls != base_ls:
+                slower[ls < base_ls][0] += tpot > base_tpot
+                slower[ls < base_ls][1] += 1
+    return (f"TPOT P50 higher in {higher} of {total} pairs ({slower[True][0]} of the {slower[True][1]} with "
+            f"fewer layer-seconds, {slower[False][0]} of the {slower[False][1]} with more)")
 
 
 def _tally(pairs: Iterable[tuple[float, float]]) -> Tally:
