@@ -259,8 +259,9 @@ def _overflow_order(loads: dict[Hashable, ReplicaLoad], backlog: dict[Hashable, 
     now (expected TTFT = (backlog now + its prompt less the hit the ranking credits) / prefill speed, over
     the SLO everywhere) though it would meet it on an idle replica; None for any other request, or when
     a replica's speed is unknown. Why: in a burst that outruns the fleet for longer than the SLO,
-    spreading evenly brings every replica's backlog past the SLO and then every request misses; sending the requests that miss anyway
-    to the replica that is furthest behind keeps the others' backlogs at the SLO, so what they drain
+    spreading evenly brings every replica's backlog past the SLO and then every request misses;
+    sending the requests that miss anyway to the replica that is furthest behind keeps the others'
+    backlogs at the SLO, so what they drain
     serves requests that can still make it. The price is those requests' TTFT: they wait behind the
     longest backlog, at most OVERFLOW_MAX_SLOS x the SLO (past that they go where they wait least, as
     without it). No margin under the SLO: until every replica is past it this is the even spread, and

@@ -24,7 +24,8 @@ def write_folder(root, name: str, runs: list[dict], machine) -> object:
 
 
 ABBA = [run(FLEET_BASELINE, 0, 10, 100.0, [6, 4]), run(FLEET_PRESSURE, 0, 8, 90.0, [7, 1]),  # goal met
-        run(FLEET_PRESSURE, 1, 12, 80.0, [9, 3], tpot=0.2), run(FLEET_BASELINE, 1, 7, 95.0, [5, 2]),  # more misses
+        run(FLEET_PRESSURE, 1, 12, 80.0, [9, 3], tpot=0.2),  # more misses
+        run(FLEET_BASELINE, 1, 7, 95.0, [5, 2]),
         run(FLEET_BASELINE, 2, 5, 100.0), run(FLEET_PRESSURE, 2, 5, None)]  # equal; not scored, no windows
 
 

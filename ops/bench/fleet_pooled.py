@@ -144,19 +144,18 @@ def pooled_lines(found: Sequence[RunPairs], drift: Sequence[tuple[int, int]]) ->
 def _speed(runs: Sequence[RunPairs]) -> str:
     """How often the compared system stepped slower (higher TPOT P50) than the baseline: in all pairs,
     and apart in those where it held fewer and more quantized layer-seconds."""
-    slower = {True: [0, 0], False: [0, 0]}  # fewer layer-seconds? -> [TPOT higher, pairs]
-    higher = total = 0
-    for run in runs:
-        for pair, (base_tpot, tpot) in zip(run.pairs, run.tpot):
-            if None in (base_tpot, tpot):  # a run that served no second token of any request
-                continue
-            higher, total = higher + (tpot > base_tpot), total + 1
-            base_ls, ls = pair.layer_s
-            if None not in (base_ls, ls) and ls != base_ls:
-                slower[ls < base_ls][0] += tpot > base_tpot
-                slower[ls < base_ls][1] += 1
-    return (f"TPOT P50 higher in {higher} of {total} pairs ({slower[True][0]} of the {slower[True][1]} with "
-            f"fewer layer-seconds, {slower[False][0]} of the {slower[False][1]} with more)")
+    # (layer-seconds (baseline, compared), stepped slower) per pair; a run that served no second
+    # token of any request has no TPOT and is left out.
+    rows = [(pair.layer_s, tpot > base_tpot) for run in runs
+            for pair, (base_tpot, tpot) in zip(run.pairs, run.tpot) if None not in (base_tpot, tpot)]
+
+    def slower_where(keep) -> str:
+        kept = [slow for layer_s, slow in rows if None not in layer_s and keep(*layer_s)]
+        return f"{sum(kept)} of the {len(kept)}"
+
+    return (f"TPOT P50 higher in {sum(slow for _, slow in rows)} of {len(rows)} pairs "
+            f"({slower_where(lambda base, ls: ls < base)} with fewer layer-seconds, "
+            f"{slower_where(lambda base, ls: ls > base)} with more)")
 
 
 def _tally(pairs: Iterable[tuple[float, float]]) -> Tally:
